@@ -1,0 +1,195 @@
+"""torch.export of the training forward, roles of placeholders, layer identity, fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+
+aten = torch.ops.aten
+
+# Ops planned as one unit (strategies exist for them) rather than decomposed.
+KEPT_OPS = (aten.scaled_dot_product_attention.default, aten.nll_loss_forward.default)
+
+
+class CaptureError(ValueError):
+    """The model could not be traced; the message names the cause and the user's line."""
+
+
+@dataclass
+class Captured:
+    """The traced training forward and what each placeholder is.
+
+    `gm` computes the scalar loss from placeholders named in `params`, `buffers` and
+    `user_inputs`. `params` maps placeholder name -> parameter FQN (first name of a tied
+    parameter); `aliases` lists the other FQNs of tied parameters.
+    """
+
+    gm: fx.GraphModule
+    params: dict[str, str]
+    buffers: dict[str, str]
+    constants: dict[str, torch.Tensor]
+    user_inputs: list[str]
+    aliases: dict[str, list[str]] = field(default_factory=dict)
+    fingerprint: str = ""
+
+    @property
+    def loss_node(self) -> fx.Node:
+        out = next(n for n in self.gm.graph.nodes if n.op == "output")
+        return out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
+
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+    def layer_of(self, node: fx.Node) -> str | None:
+        return layer_of(node)
+
+
+class _WithLoss(nn.Module):
+    """model(batch[0]) -> outputs; loss_fn(outputs, *batch[1:]) -> scalar loss."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *batch):
+        return self.loss_fn(self.model(batch[0]), *batch[1:])
+
+
+def capture(model: nn.Module, args: Sequence, loss_fn: Callable | None = None) -> Captured:
+    """Export `model` on the example batch `args` and return the decomposed loss graph."""
+    root = _WithLoss(model, loss_fn) if loss_fn is not None else model
+    ep = _export(root, tuple(args))
+    table = torch.export.default_decompositions()
+    for op in KEPT_OPS:
+        table.pop(op, None)
+    ep = ep.run_decompositions(table)
+    _check_scalar_loss(ep)
+    captured = _roles(ep, root)
+    _merge_tied(captured, root)
+    captured.fingerprint = graph_fingerprint(captured)
+    return captured
+
+
+def _export(root: nn.Module, args: tuple) -> ExportedProgram:
+    try:
+        return torch.export.export(root, args, strict=False)
+    except Exception as exc:  # re-raised with the user's line; the cause stays chained
+        where = _user_frame(exc)
+        raise CaptureError(
+            f"autopar could not trace the model with torch.export: {type(exc).__name__}: "
+            f"{_first_line(exc)}{where}\nFix: make forward traceable (no data-dependent "
+            "Python control flow on tensor values, no .item()/.tolist(), no in-place ops on "
+            "inputs), or wrap the offending part with torch.cond."
+        ) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else ""
+
+
+def _user_frame(exc: BaseException) -> str:
+    """The innermost frame outside torch: the model's line that failed."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    user = [f for f in frames if "/torch/" not in f.filename and "/autopar/" not in f.filename]
+    if user:
+        f = user[-1]
+        return f"\n  at {f.filename}:{f.lineno}: {(f.line or '').strip()}"
+    match = re.search(r'File "([^"]+)", line (\d+)', str(exc))
+    return f"\n  at {match.group(1)}:{match.group(2)}" if match else ""
+
+
+def _check_scalar_loss(ep: ExportedProgram) -> None:
+    outs = [n for n in ep.graph.nodes if n.op == "output"][0].args[0]
+    vals = [o.meta.get("val") for o in outs if isinstance(o, fx.Node)]
+    if len(outs) != 1 or not isinstance(vals[0], torch.Tensor) or vals[0].numel() != 1:
+        shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else v for v in vals]
+        raise CaptureError(
+            f"the model must return one scalar loss, but it returns {len(outs)} output(s) "
+            f"with shapes {shapes}. Fix: return the loss from forward, or pass "
+            "loss_fn=lambda outputs, *targets: ... to autopar.compile."
+        )
+    if not vals[0].dtype.is_floating_point:
+        raise CaptureError(f"the loss has dtype {vals[0].dtype}; a floating-point loss is needed")
+
+
+def _roles(ep: ExportedProgram, root: nn.Module) -> Captured:
+    sig = ep.graph_signature
+    params: dict[str, str] = {}
+    buffers: dict[str, str] = {}
+    constants: dict[str, torch.Tensor] = {}
+    user_inputs: list[str] = []
+    for spec in sig.input_specs:
+        name = spec.arg.name
+        if spec.kind == InputKind.PARAMETER:
+            params[name] = spec.target
+        elif spec.kind == InputKind.BUFFER:
+            buffers[name] = spec.target
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            constants[name] = ep.constants[spec.target]
+        elif spec.kind == InputKind.USER_INPUT:
+            user_inputs.append(name)
+        else:
+            raise CaptureError(f"unsupported graph input kind {spec.kind} for {name}")
+    gm = ep.graph_module
+    return Captured(gm=gm, params=params, buffers=buffers, constants=constants,
+                    user_inputs=user_inputs)
+
+
+def _merge_tied(captured: Captured, root: nn.Module) -> None:
+    """One placeholder per parameter tensor: replace a tied twin's uses by the first name."""
+    by_fqn = dict(root.named_parameters(remove_duplicate=False))
+    first_of: dict[int, str] = {}
+    nodes = {n.name: n for n in captured.gm.graph.nodes if n.op == "placeholder"}
+    for ph_name, fqn in list(captured.params.items()):
+        key = id(by_fqn[fqn])
+        if key not in first_of:
+            first_of[key] = ph_name
+            continue
+        keep = first_of[key]
+        nodes[ph_name].replace_all_uses_with(nodes[keep])
+        captured.gm.graph.erase_node(nodes[ph_name])
+        captured.aliases.setdefault(captured.params[keep], []).append(fqn)
+        del captured.params[ph_name]
+    captured.gm.graph.lint()
+    captured.gm.recompile()
+
+
+def layer_of(node: fx.Node) -> str | None:
+    """The outermost repeated block (an nn.ModuleList/Sequential child) a node belongs to."""
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _cls in stack.values():
+        if re.search(r"(^|\.)\d+$", path):
+            return path
+    return None
+
+
+def graph_fingerprint(captured: Captured) -> str:
+    """sha256 of the graph's structure: ops, shapes, dtypes, wiring and parameter names."""
+    index = {n: i for i, n in enumerate(captured.gm.graph.nodes)}
+    rows = []
+    for n in captured.gm.graph.nodes:
+        val = n.meta.get("val")
+        meta = (list(val.shape), str(val.dtype)) if isinstance(val, torch.Tensor) else None
+        args = _arg_repr(n, index)
+        role = captured.params.get(n.name) or captured.buffers.get(n.name) or ""
+        rows.append([n.op, str(n.target) if n.op != "placeholder" else role, meta, args])
+    return hashlib.sha256(json.dumps(rows, default=str).encode()).hexdigest()[:16]
+
+
+def _arg_repr(n: fx.Node, index: dict[fx.Node, int]) -> str:
+    flat: list[str] = []
+    fx.node.map_aggregate((n.args, n.kwargs), lambda a: flat.append(
+        f"%{index[a]}" if isinstance(a, fx.Node) else repr(a)) or a)
+    return ",".join(flat)

@@ -1,0 +1,157 @@
+"""Lowering: apply a plan and capture each rank's local training step as a plain FX graph.
+
+`lower_plan(captured, plan, mesh) -> LocalStep`
+
+How: the captured loss graph is interpreted once on DTensors. Parameters, buffers and
+inputs enter as DTensors with their planned storage placement; before each node runs, every
+tensor argument is redistributed to the placement the plan chose for that input (this is
+where all-gathers, reduce-scatters, all-reduces and all-to-alls appear); after it runs, the
+output is checked against the plan's output placement. The scalar loss is made replicated,
+and `torch.autograd.grad` of it with respect to the *local* parameter shards produces
+gradients already reduced to each parameter's storage placement (DTensor's `from_local`
+backward redistributes the gradient back to the placement it was created with: Partial ->
+Replicate is the DP all-reduce, Partial -> Shard the ZeRO/FSDP reduce-scatter).
+
+The whole forward + backward is traced with `make_fx` on fake tensors. DTensor dispatch
+happens only while tracing: the resulting graph holds local ATen ops and
+`_c10d_functional` collectives, so the training loop never dispatches through DTensor.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from autopar._compat import make_fx
+from autopar.capture import Captured
+from autopar.plan import Plan, parse_spec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LocalStep:
+    """A rank's training step: `gm(*params, *buffers, *inputs) -> (loss, *param_grads)`."""
+
+    gm: fx.GraphModule
+    param_names: list[str]  # placeholder names, in the order gm takes them
+    buffer_names: list[str]
+    input_names: list[str]
+
+
+def tensor_args(node: fx.Node) -> list[fx.Node]:
+    """The node's tensor-valued arguments in flattened (args, kwargs) order."""
+    flat, _ = tree_flatten((node.args, node.kwargs))
+    return [a for a in flat if isinstance(a, fx.Node) and _is_tensor(a.meta.get("val"))]
+
+
+def _is_tensor(val: object) -> bool:
+    return isinstance(val, torch.Tensor)
+
+
+class PlacedInterpreter(fx.Interpreter):
+    """Runs the captured graph on DTensors, redistributing inputs as the plan says."""
+
+    def __init__(self, gm: fx.GraphModule, plan: Plan, mesh: DeviceMesh):
+        super().__init__(gm)
+        self.mesh = mesh
+        self.node_plans = {n.name: n for n in plan.nodes}
+        self.replicated = tuple(Replicate() for _ in range(mesh.ndim))
+
+    def run_node(self, n: fx.Node):
+        if n.op != "call_function" or n.target is _getitem:
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        node_plan = self.node_plans.get(n.name)
+        flat, spec = tree_flatten((args, kwargs))
+        tensor_positions = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+        wanted = node_plan.inputs if node_plan else (None,) * len(tensor_positions)
+        has_dtensor = any(isinstance(flat[i], DTensor) for i in tensor_positions)
+        for i, want in zip(tensor_positions, wanted, strict=False):
+            flat[i] = self._place(flat[i], parse_spec(want), has_dtensor)
+        args, kwargs = tree_unflatten(flat, spec)
+        with self._annotate(n):
+            out = n.target(*args, **kwargs)
+        return self._check_output(n, out, node_plan)
+
+    def _place(self, value: torch.Tensor, want, has_dtensor: bool) -> torch.Tensor:
+        if not isinstance(value, DTensor):
+            if not has_dtensor:
+                return value  # constants computed from constants stay plain tensors
+            value = DTensor.from_local(value, self.mesh, self.replicated, run_check=False)
+        if want is None or tuple(value.placements) == tuple(want):
+            return value
+        if all(w.is_partial() == c.is_partial() and (w.is_partial() or w == c)
+               for w, c in zip(want, value.placements, strict=True)):
+            return value  # a Partial of another kind (e.g. the embedding's masked sum) is kept
+        return value.redistribute(self.mesh, want)
+
+    def _check_output(self, n: fx.Node, out, node_plan) -> object:
+        if node_plan is None or not isinstance(out, DTensor) or not node_plan.outputs:
+            return out
+        want = parse_spec(node_plan.outputs[0])
+        if want is not None and tuple(out.placements) != tuple(want):
+            log.debug("%s: DTensor chose %s, plan says %s; redistributing", n.name,
+                      out.placements, want)
+            if not any(p.is_partial() for p in out.placements):
+                out = out.redistribute(self.mesh, want)
+        return out
+
+    def _annotate(self, n: fx.Node):
+        return fx.traceback.preserve_node_meta()
+
+
+_getitem = __import__("operator").getitem
+
+
+def _wrap(local: torch.Tensor, spec, shape: Sequence[int], mesh: DeviceMesh) -> DTensor:
+    return DTensor.from_local(local, mesh, spec, run_check=False, shape=torch.Size(shape),
+                              stride=_contiguous_stride(shape))
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return tuple(reversed(stride))
+
+
+def lower_plan(captured: Captured, plan: Plan, mesh: DeviceMesh,
+               example_locals: dict[str, torch.Tensor]) -> LocalStep:
+    """Trace the planned step into a per-rank graph of local ops and functional collectives.
+
+    `example_locals` maps every placeholder name to this rank's local tensor (parameters
+    with requires_grad); only shapes and dtypes are used (tracing runs on fake tensors).
+    """
+    tensors = {t.name: t for t in plan.tensors}
+    params = [n for n in captured.params if n in example_locals]
+    buffers = [n for n in list(captured.buffers) + list(captured.constants)]
+    inputs = list(captured.user_inputs)
+    order = params + buffers + inputs
+    interp = PlacedInterpreter(captured.gm, plan, mesh)
+
+    def step(*locals_: torch.Tensor):
+        env = {}
+        for name, local in zip(order, locals_, strict=True):
+            t = tensors[name]
+            env[name] = _wrap(local, parse_spec(t.spec), t.shape, mesh)
+        loss = interp.run(*[env[ph.name] for ph in captured.placeholders()],
+                          enable_io_processing=False)
+        loss = loss[0] if isinstance(loss, (tuple, list)) else loss
+        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        grads = torch.autograd.grad(loss, list(locals_[: len(params)]), allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g
+                 for g, p in zip(grads, locals_, strict=False)]
+        return (loss.detach(), *grads)
+
+    examples = [example_locals[n] for n in order]
+    gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=False)(*examples)
+    return LocalStep(gm=gm, param_names=params, buffer_names=buffers, input_names=inputs)

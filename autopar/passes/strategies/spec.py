@@ -1,0 +1,111 @@
+"""Specs and node strategies: the data the strategy stage hands to the search.
+
+A *spec* is a tuple of DTensor placements, one per mesh axis. Only four kinds appear:
+``Replicate()``, ``Shard(d)``, ``Partial("sum")`` and DTensor's ``_MaskPartial`` (the
+pending masked sum of a vocab-parallel embedding). A spec is *valid* for a global shape on
+a mesh when, walking the axes in mesh order, every sharded dim's current local size divides
+evenly by that axis' size (so ``(S(0), S(0))`` on a (2, 2) mesh needs dim 0 % 4 == 0), and
+when it mixes no two kinds of partial (DTensor cannot reduce them in one step).
+
+A :class:`NodeStrategy` is one way to run one FX node: the spec each tensor input must have
+(``inputs``, in the order of :func:`tensor_inputs`) and the spec each tensor output then has
+(``outputs``). It prints DTensor-style with one spec per operand, placements concatenated
+per axis: ``(S(0)R, RS(1)) -> S(0)S(1)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from autopar._compat import MaskPartial
+
+Spec = tuple[Placement, ...]
+
+
+def placement_str(p: Placement) -> str:
+    """Compact form: ``R``, ``S(d)``, ``P`` (sum), ``MP`` (masked sum), else DTensor's str."""
+    if isinstance(p, MaskPartial):
+        return "MP"
+    if type(p) is Shard:
+        return f"S({p.dim})"
+    if isinstance(p, Replicate):
+        return "R"
+    if type(p) is Partial and p.reduce_op == "sum":
+        return "P"
+    return str(p)
+
+
+def spec_str(spec: Spec | None) -> str:
+    return "-" if spec is None else "".join(placement_str(p) for p in spec)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStrategy:
+    """Input specs (one per tensor input, see :func:`tensor_inputs`) and output specs."""
+
+    inputs: tuple[Spec | None, ...]
+    outputs: tuple[Spec | None, ...]
+
+    def __str__(self) -> str:
+        ins = ", ".join(spec_str(s) for s in self.inputs)
+        outs = ", ".join(spec_str(s) for s in self.outputs)
+        return f"({ins}) -> {outs if len(self.outputs) == 1 else f'({outs})'}"
+
+    def key(self) -> str:
+        """Hashable identity (``_MaskPartial`` compares by buffer identity, so not ``==``)."""
+        return str(self)
+
+
+def is_allowed(p: Placement) -> bool:
+    """The placements a plan may use (no strided shards, no avg/max/min partials)."""
+    if type(p) is Shard or isinstance(p, (Replicate, MaskPartial)):
+        return True
+    return type(p) is Partial and p.reduce_op == "sum"
+
+
+def is_valid_spec(spec: Spec, shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
+    """Allowed placements, even division axis by axis, at most one kind of partial."""
+    local = [int(s) for s in shape]
+    partial_kinds: set[type] = set()
+    for axis, p in enumerate(spec):
+        if not is_allowed(p):
+            return False
+        if isinstance(p, Partial):
+            partial_kinds.add(type(p))
+        elif isinstance(p, Shard):
+            if p.dim >= len(local) or local[p.dim] % mesh_shape[axis]:
+                return False
+            local[p.dim] //= mesh_shape[axis]
+    return len(partial_kinds) <= 1
+
+
+def replicate_spec(ndim: int) -> Spec:
+    return (Replicate(),) * ndim
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """The node's input nodes in flattened (args, kwargs) order, repeats kept.
+
+    ``NodeStrategy.inputs[i]`` is the spec for ``tensor_inputs(node)[i]`` (None where that
+    input is not a tensor, e.g. a SymInt).
+    """
+    found: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), found.append)
+    return found
+
+
+def is_tensor_node(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def output_vals(node: fx.Node) -> list[torch.Tensor | None]:
+    """The node's outputs as a flat list (None for non-tensor entries)."""
+    val = node.meta.get("val")
+    vals = list(val) if isinstance(val, (tuple, list)) else [val]
+    return [v if isinstance(v, torch.Tensor) else None for v in vals]

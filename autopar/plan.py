@@ -1,0 +1,172 @@
+"""Plan: the search's answer as pure data.
+
+A plan is JSON, never code: a schema version, the fingerprint of the graph it was made for,
+the cluster, and per node the placements its inputs must have and its outputs will have
+(one placement per mesh axis, written DTensor-style: `S(0)`, `R`, `P`). Parameters carry
+their storage placement (what each rank keeps between steps: `R` = replicated (DP), `S(d)`
+on a data axis = ZeRO-3/FSDP, `S(d)` on a tensor axis = Megatron TP).
+`content_hash` covers everything but itself; every rank compares it with rank 0's before
+the first collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+SCHEMA_VERSION = 1
+
+Spec = tuple[Placement, ...]
+
+
+def placement_str(p: Placement) -> str:
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Replicate):
+        return "R"
+    if p.is_partial():
+        return "P"
+    raise ValueError(f"placement {p!r} has no plan encoding")
+
+
+def parse_placement(text: str) -> Placement:
+    if text == "R":
+        return Replicate()
+    if text == "P":
+        return Partial("sum")
+    if text.startswith("S(") and text.endswith(")"):
+        return Shard(int(text[2:-1]))
+    raise ValueError(f"'{text}' is not a placement (expected R, P or S(dim))")
+
+
+def spec_str(spec: Spec | None) -> str | None:
+    return None if spec is None else ",".join(placement_str(p) for p in spec)
+
+
+def parse_spec(text: str | None) -> Spec | None:
+    return None if text is None else tuple(parse_placement(t) for t in text.split(","))
+
+
+@dataclass(frozen=True, slots=True)
+class NodePlan:
+    """One graph node: the specs its tensor inputs are given and its outputs have."""
+
+    name: str
+    op: str
+    inputs: tuple[str | None, ...]
+    outputs: tuple[str | None, ...]
+    layer: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TensorPlan:
+    """A parameter, buffer or user input: its storage placement and global shape."""
+
+    name: str  # placeholder name in the graph
+    fqn: str  # parameter/buffer name in the model, or the user input's name
+    kind: str  # "param" | "buffer" | "input"
+    spec: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    graph_fingerprint: str
+    cluster: dict
+    strategy: str
+    nodes: tuple[NodePlan, ...]
+    tensors: tuple[TensorPlan, ...]
+    predicted_step_time: float
+    predicted_peak_memory: float
+    solver: dict = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    # ---- lookups -------------------------------------------------------------------
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(self.cluster["mesh_shape"])
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(self.cluster["axis_names"])
+
+    def node(self, name: str) -> NodePlan:
+        return self._node_index()[name]
+
+    def tensor(self, name: str) -> TensorPlan:
+        return next(t for t in self.tensors if t.name == name)
+
+    def _node_index(self) -> dict[str, NodePlan]:
+        return {n.name: n for n in self.nodes}
+
+    # ---- serialization ---------------------------------------------------------------
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["content_hash"] = self.content_hash
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Plan:
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ValueError(
+                f"plan schema version {version} is not supported by this autopar "
+                f"(expects {SCHEMA_VERSION}); re-plan with `autopar plan`."
+            )
+        data = dict(data)
+        stored_hash = data.pop("content_hash", None)
+        plan = cls(
+            graph_fingerprint=data["graph_fingerprint"],
+            cluster=data["cluster"],
+            strategy=data["strategy"],
+            nodes=tuple(NodePlan(**{**n, "inputs": tuple(n["inputs"]),
+                                    "outputs": tuple(n["outputs"])}) for n in data["nodes"]),
+            tensors=tuple(TensorPlan(**{**t, "shape": tuple(t["shape"])})
+                          for t in data["tensors"]),
+            predicted_step_time=data["predicted_step_time"],
+            predicted_peak_memory=data["predicted_peak_memory"],
+            solver=data.get("solver", {}),
+        )
+        if stored_hash is not None and stored_hash != plan.content_hash:
+            raise ValueError("plan file is corrupted or was edited: its content hash does not "
+                             "match its contents; re-plan with `autopar plan`.")
+        return plan
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        return cls.from_json(Path(path).read_text())
+
+    @property
+    def content_hash(self) -> str:
+        body = json.dumps(asdict(self), sort_keys=True, default=str)
+        return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+    def with_solver(self, **info) -> Plan:
+        return replace(self, solver={**self.solver, **info})
+
+    # ---- human views -----------------------------------------------------------------
+    def describe(self) -> dict:
+        from autopar.plan_views import describe
+
+        return describe(self)
+
+    def summary(self) -> str:
+        from autopar.plan_views import summary
+
+        return summary(self)

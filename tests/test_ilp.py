@@ -1,0 +1,213 @@
+"""Tests for the intra-op ILP (autopar.search.ilp) on tiny hand-made and random problems."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from autopar.search import (
+    Edge,
+    IntraOpProblem,
+    MemoryInfeasible,
+    evaluate,
+    solve_intra_op,
+)
+
+INF = math.inf
+BACKENDS = ["highs", "cpsat"]
+
+
+def _problem(cost, memory, edges, limit=INF, time_limit_s=10.0) -> IntraOpProblem:
+    return IntraOpProblem(
+        node_cost=tuple(tuple(float(x) for x in c) for c in cost),
+        node_memory=tuple(tuple(float(x) for x in m) for m in memory),
+        edges=tuple(Edge(u, v, tuple(tuple(float(x) for x in r) for r in c)) for u, v, c in edges),
+        memory_limit=limit,
+        time_limit_s=time_limit_s,
+    )
+
+
+def _brute_force(p: IntraOpProblem) -> tuple[float, tuple[int, ...] | None]:
+    best, arg = INF, None
+    for choices in itertools.product(*(range(len(c)) for c in p.node_cost)):
+        obj, mem = evaluate(p, choices)
+        if mem <= p.memory_limit and obj < best:
+            best, arg = obj, choices
+    return best, arg
+
+
+def _chain3(limit=INF) -> IntraOpProblem:
+    # Greedy per node picks choice 0 everywhere (node cost 0 vs 1), but switching between
+    # 0 and 1 costs 10 and 0->0 costs 5 on both edges: all-1 (cost 3) beats all-0 (cost 10).
+    sw = ((5, 10), (10, 0))
+    return _problem(
+        cost=[(0, 1), (0, 1), (0, 1)],
+        memory=[(1, 3), (1, 3), (1, 3)],
+        edges=[(0, 1, sw), (1, 2, sw)],
+        limit=limit,
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chain_non_greedy_optimum(backend: str) -> None:
+    sol = solve_intra_op(_chain3(), backend=backend)
+    assert sol.choices == (1, 1, 1)
+    assert sol.objective == pytest.approx(3.0)
+    assert sol.memory == pytest.approx(9.0)
+    assert sol.status == "optimal" and sol.gap == 0.0
+    assert sol.solve_time_s >= 0.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_memory_limit_flips_choice(backend: str) -> None:
+    sol = solve_intra_op(_chain3(limit=5.0), backend=backend)
+    assert sol.choices == (0, 0, 0)
+    assert sol.objective == pytest.approx(10.0)
+    assert sol.memory <= 5.0
+    # 7 bytes allows exactly one choice 1: the best such plan is (1, 0, 0) or (0, 0, 1).
+    sol = solve_intra_op(_chain3(limit=7.0), backend=backend)
+    assert sol.memory <= 7.0
+    assert sol.objective == pytest.approx(_brute_force(_chain3(limit=7.0))[0])
+
+
+def test_memory_infeasible_reports_min_memory() -> None:
+    with pytest.raises(MemoryInfeasible) as info:
+        solve_intra_op(_chain3(limit=2.5))
+    assert info.value.min_memory == pytest.approx(3.0)
+    assert info.value.memory_limit == 2.5
+    assert isinstance(info.value, ValueError) and "2.5" in str(info.value)
+
+
+def test_memory_infeasible_through_forbidden_pairs() -> None:
+    # Cheap bound (1 + 1 = 2) fits the limit 3, but the pair (0, 0) is forbidden, so the
+    # real minimum is 1 + 4 = 5: found by the diagnosis solve.
+    p = _problem(
+        cost=[(0, 0), (0, 0)],
+        memory=[(1, 4), (1, 4)],
+        edges=[(0, 1, ((INF, 0), (0, 0)))],
+        limit=3.0,
+    )
+    with pytest.raises(MemoryInfeasible) as info:
+        solve_intra_op(p)
+    assert info.value.min_memory == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forbidden_pairs_and_choices(backend: str) -> None:
+    # Cheapest pair (0, 0) is forbidden on the edge; choice 2 of decision 1 is forbidden.
+    p = _problem(
+        cost=[(0, 1, 2), (0, 1, -5)],
+        memory=[(0, 0, 0), (0, 0, 0)],
+        edges=[(0, 1, ((INF, 1, 0), (2, 3, 0), (0, 0, 0)))],
+    )
+    p = IntraOpProblem(
+        (p.node_cost[0], (0.0, 1.0, INF)), p.node_memory, p.edges, p.memory_limit, 10.0
+    )
+    sol = solve_intra_op(p, backend=backend)
+    assert sol.choices[1] != 2 and sol.choices[:2] != (0, 0)
+    assert sol.objective == pytest.approx(_brute_force(p)[0])
+    assert sol.objective == pytest.approx(2.0)  # (0, 1): 0 + 1 + 1 or (2, 0): 2 + 0 + 0
+
+
+def test_all_forbidden_raises_value_error() -> None:
+    p = _problem(cost=[(0, 0), (0, 0)], memory=[(0, 0), (0, 0)], edges=[(0, 1, ((INF,) * 2,) * 2)])
+    with pytest.raises(ValueError) as info:
+        solve_intra_op(p)
+    assert not isinstance(info.value, MemoryInfeasible)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_self_edge_uses_diagonal(backend: str) -> None:
+    # Node cost prefers choice 0, the self edge's diagonal makes it expensive; the
+    # off-diagonal entries are unreachable and must not matter.
+    p = _problem(
+        cost=[(0, 1), (0, 0)],
+        memory=[(0, 0), (0, 0)],
+        edges=[(0, 0, ((5, -100), (-100, 0))), (0, 1, ((0, 0), (0, 0)))],
+    )
+    sol = solve_intra_op(p, backend=backend)
+    assert sol.choices[0] == 1
+    assert sol.objective == pytest.approx(1.0)
+
+
+def test_parallel_and_reversed_edges_merge() -> None:
+    # (0,1) and (1,0) edges are summed; each alone is separable, the sum is not.
+    p = _problem(
+        cost=[(0, 0), (0, 0)],
+        memory=[(0, 0), (0, 0)],
+        edges=[(0, 1, ((0, 1), (2, 3))), (1, 0, ((4, 0), (0, 4))), (0, 1, ((1, 1), (1, 1)))],
+    )
+    sol = solve_intra_op(p)
+    assert sol.objective == pytest.approx(_brute_force(p)[0])
+    assert sol.objective == pytest.approx(2.0)  # merged matrix [[5, 2], [3, 8]]
+
+
+def test_single_choice_and_evaluate() -> None:
+    p = _problem(cost=[(2,), (1, 3)], memory=[(5,), (1, 2)], edges=[(0, 1, ((0, -3),))])
+    sol = solve_intra_op(p)
+    assert sol.choices == (0, 1) and sol.objective == pytest.approx(2.0)
+    assert evaluate(p, (0, 0)) == (3.0, 6.0)
+    assert evaluate(p, sol.choices) == (sol.objective, sol.memory)
+    with pytest.raises(ValueError):
+        evaluate(p, (0,))
+
+
+def _random_problem(seed: int, n: int = 8, k: int = 3, m: int = 12) -> IntraOpProblem:
+    rng = random.Random(seed)
+    scale = 10.0 ** rng.uniform(-6, 2)  # exercise the objective scaling
+    cost = [[rng.uniform(0, 1) * scale for _ in range(k)] for _ in range(n)]
+    memory = [[rng.uniform(1e9, 4e9) for _ in range(k)] for _ in range(n)]
+    edges = []
+    for _ in range(m):
+        u, v = rng.randrange(n), rng.randrange(n)
+        mat = [[rng.uniform(0, 2) * scale for _ in range(k)] for _ in range(k)]
+        if rng.random() < 0.2:
+            mat[rng.randrange(k)][rng.randrange(k)] = INF
+        edges.append((u, v, mat))
+    mins = sum(min(r) for r in memory)
+    limit = mins + rng.uniform(0.2, 0.8) * (sum(max(r) for r in memory) - mins)
+    return _problem(cost, memory, edges, limit=limit)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_matches_brute_force(seed: int) -> None:
+    p = _random_problem(seed)
+    best, _ = _brute_force(p)
+    if not math.isfinite(best):
+        with pytest.raises(ValueError):
+            solve_intra_op(p)
+        return
+    for backend in BACKENDS:
+        sol = solve_intra_op(p, backend=backend)
+        assert sol.memory <= p.memory_limit * (1 + 1e-9)
+        assert sol.objective == pytest.approx(best, rel=1e-6), backend
+        assert sol.status == "optimal" and sol.gap <= 1e-6
+
+
+def _chain_skip_problem(n: int = 300, k: int = 6, seed: int = 0) -> IntraOpProblem:
+    rng = random.Random(seed)
+    cost = [[rng.uniform(1e-5, 1e-2) for _ in range(k)] for _ in range(n)]
+    memory = [[rng.choice((1, 2, 4, 8)) * 2**28 / (1 + j) for j in range(k)] for _ in range(n)]
+
+    def mat() -> list[list[float]]:
+        return [[0.0 if a == b else rng.uniform(1e-4, 2e-2) for b in range(k)] for a in range(k)]
+
+    edges = [(i, i + 1, mat()) for i in range(n - 1)]
+    edges += [(i, i + 3, mat()) for i in range(0, n - 3, 4)]
+    mins = sum(min(r) for r in memory)
+    limit = mins + 0.3 * (sum(max(r) for r in memory) - mins)
+    return _problem(cost, memory, edges, limit=limit, time_limit_s=10.0)
+
+
+def test_large_chain_with_skips_within_time_limit() -> None:
+    p = _chain_skip_problem()
+    sol = solve_intra_op(p)
+    assert sol.solve_time_s <= p.time_limit_s + 5.0
+    assert sol.status in ("optimal", "feasible")
+    assert 0.0 <= sol.gap < 0.05
+    assert sol.memory <= p.memory_limit * (1 + 1e-9)
+    assert evaluate(p, sol.choices) == (sol.objective, sol.memory)
+    print(f"300x6: {sol.status} gap={sol.gap:.2e} t={sol.solve_time_s:.2f}s")
