@@ -22,17 +22,12 @@ from torch.distributed.tensor._op_schema import (  # noqa: F401
 # tests / planning at scale: the fake process group's store.
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
 
-
-def sharding_propagator():
-    """DTensor's global sharding propagator (holds the op-strategy registry)."""
-    from torch.distributed.tensor import DTensor
-
-    return DTensor._op_dispatcher.sharding_propagator
-
 # strategies (autopar/passes/strategies): placeholder dims in DTensor's single-mesh-dim rules,
 # tuple (list-of-tensor) strategies, the vocab-parallel embedding partial, the full-mesh
 # expansion helper used to register autopar rules into DTensor, and the decomposition-based
-# propagation fallback. None of these has a public equivalent.
+# propagation fallback; LocalTensorMode (N ranks in one process) for the strategy tests.
+# None of these has a public equivalent.
+from torch.distributed._local_tensor import LocalTensorMode  # noqa: F401
 from torch.distributed.tensor._decompositions import DecompShardingStrategy  # noqa: F401
 from torch.distributed.tensor._op_schema import TupleStrategy  # noqa: F401
 from torch.distributed.tensor._ops.single_dim_strategy import (  # noqa: F401
@@ -43,5 +38,9 @@ from torch.distributed.tensor._ops.utils import (  # noqa: F401
 )
 from torch.distributed.tensor.placement_types import _MaskPartial as MaskPartial  # noqa: F401
 
-# strategies tests: N ranks in one process with real values, to check a sharding numerically.
-from torch.distributed._local_tensor import LocalTensorMode  # noqa: F401
+
+def sharding_propagator():
+    """DTensor's global sharding propagator (holds the op-strategy registry)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher.sharding_propagator

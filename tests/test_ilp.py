@@ -211,3 +211,59 @@ def test_large_chain_with_skips_within_time_limit() -> None:
     assert sol.memory <= p.memory_limit * (1 + 1e-9)
     assert evaluate(p, sol.choices) == (sol.objective, sol.memory)
     print(f"300x6: {sol.status} gap={sol.gap:.2e} t={sol.solve_time_s:.2f}s")
+
+
+def test_tiny_differences_under_large_constant() -> None:
+    # 100 s of unavoidable cost; choices differ by microseconds and must still be optimal.
+    p = _random_problem(11)
+    p = IntraOpProblem(
+        tuple(tuple(100.0 + x * 1e-6 / max(r) for x in r) for r in p.node_cost),
+        p.node_memory,
+        tuple(Edge(e.u, e.v, tuple(tuple(x * 1e-6 for x in r) for r in e.cost)) for e in p.edges),
+        p.memory_limit,
+        10.0,
+    )
+    best, _ = _brute_force(p)
+    sol = solve_intra_op(p)
+    assert sol.objective - best <= 1e-12 * best
+
+
+def test_reductions_shrink_the_model() -> None:
+    from autopar.search.ilp import _build, _reduce
+
+    zero, sep, dense = ((0, 0), (0, 0)), ((1, 3), (2, 4)), ((0, 5), (5, 0))
+    p = _problem(
+        cost=[(0, 1), (0, 1), (7,), (0, 1)],
+        memory=[(0, 0)] * 2 + [(0,), (0, 0)],
+        edges=[(0, 1, zero), (1, 3, sep), (2, 3, ((1, 2),)), (0, 3, dense), (3, 0, dense)],
+    )
+    mdl = _build(_reduce(p), p)
+    # 3 free decisions x 2 choices; only the merged dense (0, 3) pair needs 4 edge variables.
+    assert mdl.model.get_num_variables() == 6 + 4
+    assert solve_intra_op(p).objective == pytest.approx(_brute_force(p)[0])
+
+
+def test_falls_back_to_cpsat_when_highs_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    from autopar.search import ilp
+
+    real_solve, used = ilp.mathopt.solve, []
+
+    def fake_solve(model, solver, **kwargs):
+        used.append(solver)
+        if solver == ilp.mathopt.SolverType.HIGHS:
+            raise RuntimeError("HiGHS not available")
+        return real_solve(model, solver, **kwargs)
+
+    monkeypatch.setattr(ilp.mathopt, "solve", fake_solve)
+    sol = solve_intra_op(_chain3())
+    assert used == [ilp.mathopt.SolverType.HIGHS, ilp.mathopt.SolverType.CP_SAT]
+    assert sol.choices == (1, 1, 1) and sol.status == "optimal"
+    with pytest.raises(ValueError):
+        solve_intra_op(_chain3(), backend="gurobi")
+
+
+def test_memory_infeasible_pickles() -> None:
+    import pickle
+
+    err = pickle.loads(pickle.dumps(MemoryInfeasible(3.0, 2.0)))
+    assert (err.min_memory, err.memory_limit) == (3.0, 2.0) and "2" in str(err)

@@ -77,6 +77,8 @@ def capture(model: nn.Module, args: Sequence, loss_fn: Callable | None = None) -
     _check_scalar_loss(ep)
     captured = _roles(ep, root)
     _merge_tied(captured, root)
+    if loss_fn is not None:
+        _strip_prefix(captured, "model.")
     captured.fingerprint = graph_fingerprint(captured)
     return captured
 
@@ -143,6 +145,11 @@ def _roles(ep: ExportedProgram, root: nn.Module) -> Captured:
         else:
             raise CaptureError(f"unsupported graph input kind {spec.kind} for {name}")
     gm = ep.graph_module
+    roles = {**dict.fromkeys(params, "param"), **dict.fromkeys(buffers, "buffer"),
+             **dict.fromkeys(constants, "buffer"), **dict.fromkeys(user_inputs, "input")}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            node.meta["autopar_role"] = roles[node.name]
     return Captured(gm=gm, params=params, buffers=buffers, constants=constants,
                     user_inputs=user_inputs)
 
@@ -164,6 +171,14 @@ def _merge_tied(captured: Captured, root: nn.Module) -> None:
         del captured.params[ph_name]
     captured.gm.graph.lint()
     captured.gm.recompile()
+
+
+def _strip_prefix(captured: Captured, prefix: str) -> None:
+    """Names as the user's model has them (not the loss wrapper's)."""
+    captured.params = {k: v.removeprefix(prefix) for k, v in captured.params.items()}
+    captured.buffers = {k: v.removeprefix(prefix) for k, v in captured.buffers.items()}
+    captured.aliases = {k.removeprefix(prefix): [a.removeprefix(prefix) for a in v]
+                        for k, v in captured.aliases.items()}
 
 
 def layer_of(node: fx.Node) -> str | None:

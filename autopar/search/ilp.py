@@ -29,9 +29,9 @@ Reductions (:func:`_reduce`) that keep the model small:
 * ``e`` variables whose cost is ``inf`` are not created, which forbids that pair.
 * The memory constraint is dropped when even the largest choices fit.
 
-Costs span ~1e-6..1e2 s: objective coefficients are shifted by the per-decision minimum
-and divided by the largest finite coefficient (memory likewise) and the reported
-objective / memory are recomputed on the original problem by :func:`evaluate`.
+Costs span ~1e-6..1e2 s: coefficients are shifted by the per-decision minimum (the constant
+stays outside the model so the solver's relative gap sees only the rest) and divided by the
+largest one (memory likewise); objective / memory are recomputed by :func:`evaluate`.
 
 Solver: OR-Tools MathOpt with HiGHS; CP-SAT (``num_workers=8``) when HiGHS is unavailable,
 errors out or finds no solution within the time limit.
@@ -41,23 +41,16 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 from ortools.math_opt.python import mathopt
 
-__all__ = [
-    "Edge",
-    "IntraOpProblem",
-    "IntraOpSolution",
-    "MemoryInfeasible",
-    "evaluate",
-    "solve_intra_op",
-]
-
 _REL_GAP = 1e-7  # MIP relative gap tolerance handed to the solver
 _SEP_TOL = 1e-9  # relative tolerance of the separability test
 _CPSAT_WORKERS = 8
+_TR = mathopt.TerminationReason
+_PROVEN_INFEASIBLE = (_TR.INFEASIBLE, _TR.INFEASIBLE_OR_UNBOUNDED)
 Matrix = list[list[float]]
 
 
@@ -98,23 +91,27 @@ class MemoryInfeasible(ValueError):
             or f"memory limit {memory_limit:.4g} B infeasible: at least {min_memory:.4g} B needed"
         )
 
+    def __reduce__(self) -> tuple[type, tuple[float, float, str]]:  # picklable across processes
+        return type(self), (self.min_memory, self.memory_limit, str(self))
+
 
 def evaluate(problem: IntraOpProblem, choices: tuple[int, ...] | list[int]) -> tuple[float, float]:
     """Price an assignment: ``(objective seconds, memory bytes)``; inf if it is forbidden."""
     if len(choices) != len(problem.node_cost):
         raise ValueError(f"{len(choices)} choices for {len(problem.node_cost)} decisions")
+    if any(not 0 <= k < len(c) for k, c in zip(choices, problem.node_cost, strict=True)):
+        raise ValueError(f"choice out of range in {tuple(choices)}")
     obj = math.fsum(problem.node_cost[i][k] for i, k in enumerate(choices))
     obj += math.fsum(e.cost[choices[e.u]][choices[e.v]] for e in problem.edges)
     mem = math.fsum(problem.node_memory[i][k] for i, k in enumerate(choices))
     return obj, mem
 
 
-# ----------------------------------------------------------------------------- reduction
 @dataclass(slots=True)
 class _Reduced:
     cost: Matrix  # node cost per decision/choice, edges folded in where possible
     allowed: list[list[int]]  # allowed choices per decision
-    pairs: dict[tuple[int, int], Matrix] = field(default_factory=dict)  # u < v, both free
+    pairs: dict[tuple[int, int], Matrix]  # u < v, both free, not separable
 
     def fixed(self, i: int) -> bool:
         return len(self.allowed[i]) == 1
@@ -128,10 +125,8 @@ def _validate(p: IntraOpProblem) -> None:
     if len(p.node_memory) != n:
         raise ValueError("node_cost and node_memory differ in length")
     for i, (c, m) in enumerate(zip(p.node_cost, p.node_memory, strict=True)):
-        if not c or len(c) != len(m):
-            raise ValueError(f"decision {i}: empty or mismatched cost/memory vectors")
-        if any(math.isnan(x) or x == -math.inf for x in (*c, *m)):
-            raise ValueError(f"decision {i}: NaN or -inf cost/memory")
+        if not c or len(c) != len(m) or any(math.isnan(x) or x == -math.inf for x in (*c, *m)):
+            raise ValueError(f"decision {i}: empty, mismatched, NaN or -inf cost/memory")
     for e in p.edges:
         if not (0 <= e.u < n and 0 <= e.v < n):
             raise ValueError(f"edge {e.u}->{e.v} out of range")
@@ -219,12 +214,12 @@ def _reduce(p: IntraOpProblem) -> _Reduced:
     return red
 
 
-# ----------------------------------------------------------------------------- model
 @dataclass(slots=True)
 class _Model:
     model: mathopt.Model
     s: dict[int, dict[int, mathopt.Variable]]  # free decision -> choice -> variable
-    scale: float  # objective = scale * model objective
+    scale: float = 1.0  # objective = const + scale * model objective
+    const: float = 0.0  # kept out of the model so the solver's relative gap sees only the rest
 
 
 def _add_choice_vars(mdl: _Model, red: _Reduced) -> None:
@@ -288,17 +283,16 @@ def _add_memory_constraint(mdl: _Model, red: _Reduced, memory: Matrix, limit: fl
 def _set_objective(mdl: _Model, edge_coef: dict[mathopt.Variable, float], rows: Matrix) -> None:
     const, coef = _shifted(mdl, rows)
     coef.update(edge_coef)
-    mdl.scale = max([abs(c) for c in coef.values()] + [1e-30])
-    obj = mdl.model.objective
-    obj.is_maximize = False
+    mdl.const = const
+    mdl.scale = max((abs(c) for c in coef.values() if c), default=1.0)
+    mdl.model.objective.is_maximize = False
     for var, c in coef.items():
         if c:
-            obj.set_linear_coefficient(var, c / mdl.scale)
-    obj.offset = const / mdl.scale
+            mdl.model.objective.set_linear_coefficient(var, c / mdl.scale)
 
 
 def _build(red: _Reduced, p: IntraOpProblem, *, minimize_memory: bool = False) -> _Model:
-    mdl = _Model(mathopt.Model(name="intra_op"), {}, 1.0)
+    mdl = _Model(mathopt.Model(name="intra_op"), {})
     _add_choice_vars(mdl, red)
     edge_coef = _add_edge_vars(mdl, red)
     if minimize_memory:  # diagnosis model: least memory, ignoring the limit
@@ -309,7 +303,6 @@ def _build(red: _Reduced, p: IntraOpProblem, *, minimize_memory: bool = False) -
     return mdl
 
 
-# ----------------------------------------------------------------------------- solving
 def _params(solver: mathopt.SolverType, time_limit_s: float) -> mathopt.SolveParameters:
     params = mathopt.SolveParameters(
         time_limit=timedelta(seconds=max(time_limit_s, 0.01)),
@@ -323,7 +316,9 @@ def _params(solver: mathopt.SolverType, time_limit_s: float) -> mathopt.SolvePar
 
 def _solve_model(mdl: _Model, backend: str, time_limit_s: float) -> mathopt.SolveResult:
     """HiGHS first; CP-SAT if HiGHS is unavailable, fails, or finds no solution."""
-    order = {"auto": ["highs", "cpsat"], "highs": ["highs"], "cpsat": ["cpsat"]}[backend]
+    order = {"auto": ["highs", "cpsat"], "highs": ["highs"], "cpsat": ["cpsat"]}.get(backend)
+    if order is None:
+        raise ValueError(f"unknown backend {backend!r}: use 'auto', 'highs' or 'cpsat'")
     deadline = time.perf_counter() + time_limit_s
     result, error = None, None
     for name in order:
@@ -334,18 +329,11 @@ def _solve_model(mdl: _Model, backend: str, time_limit_s: float) -> mathopt.Solv
         except Exception as exc:  # solver not linked in / internal failure: try the next one
             error = exc
             continue
-        reason = result.termination.reason
-        if result.has_primal_feasible_solution() or reason in _PROVEN_INFEASIBLE:
+        if result.has_primal_feasible_solution() or result.termination.reason in _PROVEN_INFEASIBLE:
             return result
     if result is None:
         raise RuntimeError(f"no ILP solver could run: {error}") from error
     return result
-
-
-_PROVEN_INFEASIBLE = (
-    mathopt.TerminationReason.INFEASIBLE,
-    mathopt.TerminationReason.INFEASIBLE_OR_UNBOUNDED,
-)
 
 
 def _choices(mdl: _Model, red: _Reduced, result: mathopt.SolveResult) -> tuple[int, ...]:
@@ -357,10 +345,15 @@ def _choices(mdl: _Model, red: _Reduced, result: mathopt.SolveResult) -> tuple[i
     return tuple(out)
 
 
-def _gap(result: mathopt.SolveResult, scale: float, objective: float) -> float:
-    if result.termination.reason == mathopt.TerminationReason.OPTIMAL:
+def _bound(mdl: _Model, result: mathopt.SolveResult) -> float:
+    """Best proven lower bound on the (unscaled) objective."""
+    return mdl.const + result.termination.objective_bounds.dual_bound * mdl.scale
+
+
+def _gap(mdl: _Model, result: mathopt.SolveResult, objective: float) -> float:
+    if result.termination.reason == _TR.OPTIMAL:
         return 0.0
-    bound = result.termination.objective_bounds.dual_bound * scale
+    bound = _bound(mdl, result)
     if not math.isfinite(bound):
         return math.inf
     return max(0.0, objective - bound) / max(abs(objective), 1e-30)
@@ -375,9 +368,8 @@ def _diagnose(red: _Reduced, p: IntraOpProblem, backend: str) -> Exception:
     if not result.has_primal_feasible_solution():
         return ValueError("no assignment satisfies the forbidden (inf) choices and pairs")
     _, mem = evaluate(p, _choices(mdl, red, result))
-    if result.termination.reason != mathopt.TerminationReason.OPTIMAL:  # report a lower bound
-        bound = result.termination.objective_bounds.dual_bound * mdl.scale
-        mem = max(red.min_memory(p.node_memory), bound)
+    if result.termination.reason != _TR.OPTIMAL:  # report a lower bound
+        mem = max(red.min_memory(p.node_memory), _bound(mdl, result))
     return MemoryInfeasible(mem, p.memory_limit)
 
 
@@ -397,15 +389,9 @@ def solve_intra_op(problem: IntraOpProblem, *, backend: str = "auto") -> IntraOp
     if not result.has_primal_feasible_solution():
         if result.termination.reason in _PROVEN_INFEASIBLE:
             raise _diagnose(red, problem, backend)
-        raise RuntimeError(f"ILP solver found no solution: {result.termination}")
+        raise RuntimeError(f"no solution in {problem.time_limit_s} s: {result.termination}")
     choices = _choices(mdl, red, result)
     objective, memory = evaluate(problem, choices)
-    optimal = result.termination.reason == mathopt.TerminationReason.OPTIMAL
-    return IntraOpSolution(
-        choices=choices,
-        objective=objective,
-        memory=memory,
-        gap=_gap(result, mdl.scale, objective),
-        status="optimal" if optimal else "feasible",
-        solve_time_s=time.perf_counter() - t0,
-    )
+    status = "optimal" if result.termination.reason == _TR.OPTIMAL else "feasible"
+    gap, elapsed = _gap(mdl, result, objective), time.perf_counter() - t0
+    return IntraOpSolution(choices, objective, memory, gap, status, elapsed)

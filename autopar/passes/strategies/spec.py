@@ -2,7 +2,8 @@
 
 A *spec* is a tuple of DTensor placements, one per mesh axis. Only four kinds appear:
 ``Replicate()``, ``Shard(d)``, ``Partial("sum")`` and DTensor's ``_MaskPartial`` (the
-pending masked sum of a vocab-parallel embedding). A spec is *valid* for a global shape on
+pending masked sum of a vocab-parallel embedding), plus ``Partial("avg")`` on 0-d tensors
+only (a mean loss over a batch-sharded input). A spec is *valid* for a global shape on
 a mesh when, walking the axes in mesh order, every sharded dim's current local size divides
 evenly by that axis' size (so ``(S(0), S(0))`` on a (2, 2) mesh needs dim 0 % 4 == 0), and
 when it mixes no two kinds of partial (DTensor cannot reduce them in one step).
@@ -38,7 +39,7 @@ def placement_str(p: Placement) -> str:
         return "R"
     if type(p) is Partial and p.reduce_op == "sum":
         return "P"
-    return str(p)
+    return str(p)  # P(avg)
 
 
 def spec_str(spec: Spec | None) -> str:
@@ -62,11 +63,14 @@ class NodeStrategy:
         return str(self)
 
 
-def is_allowed(p: Placement) -> bool:
-    """The placements a plan may use (no strided shards, no avg/max/min partials)."""
+def is_allowed(p: Placement, scalar: bool = True) -> bool:
+    """The placements a plan may use: no strided shards, no max/min partials, and
+    ``Partial("avg")`` only on a 0-d tensor (``scalar``): a mean-reduced loss of a
+    batch-sharded input (DTensor's nll_loss/mean strategies), which only gets all-reduced.
+    """
     if type(p) is Shard or isinstance(p, (Replicate, MaskPartial)):
         return True
-    return type(p) is Partial and p.reduce_op == "sum"
+    return type(p) is Partial and (p.reduce_op == "sum" or (scalar and p.reduce_op == "avg"))
 
 
 def is_valid_spec(spec: Spec, shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
@@ -74,7 +78,7 @@ def is_valid_spec(spec: Spec, shape: Sequence[int], mesh_shape: Sequence[int]) -
     local = [int(s) for s in shape]
     partial_kinds: set[type] = set()
     for axis, p in enumerate(spec):
-        if not is_allowed(p):
+        if not is_allowed(p, scalar=not local):
             return False
         if isinstance(p, Partial):
             partial_kinds.add(type(p))

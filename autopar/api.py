@@ -1,0 +1,135 @@
+"""The public entry points: `autopar.compile` and `autopar.plan`.
+
+compile: capture -> (search on rank 0, broadcast | load a saved plan) -> every rank checks the
+plan's hash against rank 0's -> lower -> ParallelModel.
+plan: the same search with no processes: a fake process group of the cluster's size and a
+model that may live on the meta device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar._compat import FakeStore
+from autopar.capture import Captured, capture
+from autopar.cluster import Cluster
+from autopar.plan import Plan
+from autopar.runtime.parallel_model import OptimizerFactory, ParallelModel
+from autopar.search.intra_op import search_plan
+from autopar.search.pins import SearchOptions
+
+
+def compile(  # noqa: A001 - the public name mirrors torch.compile
+    model: nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    *,
+    cluster: Cluster,
+    optimizer: OptimizerFactory | None = None,
+    loss_fn: Callable | None = None,
+    plan: Plan | str | Path | None = None,
+    strategy: str | tuple[str, ...] = "auto",
+    placements: dict[str, str] | None = None,
+    memory_limit: float | None = None,
+    time_limit_s: float = 30.0,
+) -> ParallelModel:
+    """Plan (or apply `plan`) and build this rank's share of the model for training.
+
+    Every rank calls it with the same model (same initial weights) and the same GLOBAL batch.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("autopar.compile needs a process group: launch with torchrun (or "
+                           "`autopar run`) and call torch.distributed.init_process_group first; "
+                           "use autopar.plan to plan without processes.")
+    captured = capture(model, example_inputs, loss_fn)
+    mesh = cluster.device_mesh()
+    options = SearchOptions(strategy=strategy, placements=dict(placements or {}),
+                            memory_limit=memory_limit, time_limit_s=time_limit_s)
+    if plan is not None:
+        plan = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
+        check_plan_matches(plan, captured, cluster)
+    else:
+        plan = _plan_on_rank0(captured, cluster, mesh, options)
+    verify_same_plan(plan)
+    return ParallelModel(model, captured, plan, mesh, optimizer)
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    *,
+    cluster: Cluster,
+    loss_fn: Callable | None = None,
+    strategy: str | tuple[str, ...] = "auto",
+    placements: dict[str, str] | None = None,
+    memory_limit: float | None = None,
+    time_limit_s: float = 30.0,
+) -> Plan:
+    """Search a plan without processes or weights (the model may be on the meta device)."""
+    captured = capture(model, example_inputs, loss_fn)
+    options = SearchOptions(strategy=strategy, placements=dict(placements or {}),
+                            memory_limit=memory_limit, time_limit_s=time_limit_s)
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("fake", store=FakeStore(), rank=0,
+                                world_size=cluster.world_size)
+    elif dist.get_world_size() != cluster.world_size:
+        raise ValueError(f"the cluster has {cluster.world_size} devices but the running process "
+                         f"group has {dist.get_world_size()}; plan outside the job, or use a "
+                         "cluster of the job's size")
+    try:
+        mesh = cluster.device_mesh(device_type="cpu")
+        return search_plan(captured, cluster, mesh, options)
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def check_plan_matches(plan: Plan, captured: Captured, cluster: Cluster) -> None:
+    """A saved plan applies only to the graph and the mesh it was made for."""
+    if plan.graph_fingerprint != captured.fingerprint:
+        raise ValueError(
+            f"this plan was made for another model or batch shape (graph fingerprint "
+            f"{plan.graph_fingerprint}, this model's is {captured.fingerprint}); re-plan with "
+            "autopar.plan / `autopar plan` for this model and batch.")
+    if plan.mesh_shape != tuple(cluster.mesh_shape):
+        raise ValueError(
+            f"this plan is for a mesh {plan.mesh_shape} but the cluster's mesh is "
+            f"{tuple(cluster.mesh_shape)}; re-plan for this cluster or launch "
+            f"{_prod(plan.mesh_shape)} processes with that mesh.")
+
+
+def _plan_on_rank0(captured: Captured, cluster: Cluster, mesh, options: SearchOptions) -> Plan:
+    """Rank 0 searches; the others receive its plan (solvers with time limits are not
+    guaranteed to answer identically on every rank)."""
+    box: list[object] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = search_plan(captured, cluster, mesh, options).to_json()
+        except Exception as exc:  # the other ranks must not wait forever for a plan
+            box[0] = exc
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return Plan.from_json(box[0])
+
+
+def verify_same_plan(plan: Plan) -> None:
+    """Every rank compares its plan's hash with rank 0's before the first collective."""
+    hashes: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(hashes, plan.content_hash)
+    if any(h != hashes[0] for h in hashes):
+        bad = [r for r, h in enumerate(hashes) if h != hashes[0]]
+        raise ValueError(f"ranks {bad} hold a different plan than rank 0 (hashes {hashes}); "
+                         "give every rank the same plan file.")
+
+
+def _prod(shape: Sequence[int]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out

@@ -1,0 +1,389 @@
+"""The machine a plan is made for: one device type on an N-D mesh with one link per mesh axis.
+
+Contract
+--------
+``Cluster`` is pure, frozen, hashable data: a ``DeviceSpec`` (peak FLOP/s per dtype, memory
+per device, memory bandwidth), the logical ``mesh_shape`` with ``axis_names``, one ``Link``
+(alpha-beta: per-device bus bandwidth in bytes/s, latency in s) per mesh axis, the
+collective ``backend`` and ``devices_per_node``. ``to_dict``/``from_dict`` round-trip exactly
+through JSON. Nothing here talks to a process group except ``Cluster.local`` (which checks the
+world size) and ``Cluster.device_mesh`` (which builds the DTensor ``DeviceMesh``).
+
+Presets and per-axis links
+--------------------------
+Mesh axes are laid out row-major over ranks, ranks fill a node before the next one, so the
+*last* axis is the fastest varying. For axis ``i`` let ``span = prod(mesh[i:])`` and
+``inner = prod(mesh[i+1:])``:
+
+* ``span <= devices_per_node``: every group of this axis lives inside one node, the link is
+  the intra-node one (NVLink).
+* otherwise the axis crosses nodes. ``min(devices_per_node, inner)`` groups of this axis run
+  concurrently per node and share the node's NICs, so per-device bandwidth is
+  ``min(intra_bw, node_nic_bw / min(devices_per_node, inner))`` with the inter-node latency.
+  For the usual ``(node, gpu)`` mesh this is exactly the per-GPU NIC bandwidth (e.g. 8x400Gb/s
+  -> 50 GB/s on a DGX H100); a flat 1-D axis over several nodes gets the whole node's NICs
+  (NCCL stripes one ring over all of them).
+
+Peak FLOP/s are dense tensor-core numbers. ``float32`` is *true* FP32 (PyTorch's default,
+``torch.backends.cuda.matmul.allow_tf32 = False``), not TF32: build your own ``DeviceSpec``
+if you enable TF32. Dtypes without an entry (int64, bool, float64) use the float32 peak.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Cluster", "DeviceSpec", "Link", "PRESETS"]
+
+_DTYPE_KEYS = ("float32", "bfloat16", "float16")
+_GiB = 2**30
+
+
+class _FrozenMap(Mapping[str, float]):
+    """Read-only, hashable ``dict`` replacement (a frozen dataclass must stay hashable)."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, items: Mapping[str, float]) -> None:
+        self._d = dict(items)
+
+    def __getitem__(self, key: str) -> float:
+        return self._d[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._d.items()))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mapping) and dict(self._d) == dict(other)
+
+    def __repr__(self) -> str:
+        return repr(self._d)
+
+
+def _dtype_key(dtype: str | torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"
+
+
+def _positive(value: float, what: str) -> float:
+    value = float(value)
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{what} must be a positive finite number, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    """One accelerator: peak FLOP/s per dtype, memory (bytes) and memory bandwidth (bytes/s)."""
+
+    name: str
+    peak_flops: Mapping[str, float]  # "float32"/"bfloat16"/"float16" -> FLOP/s
+    memory_bytes: float
+    memory_bandwidth: float
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("DeviceSpec.name must be a non-empty string")
+        flops = {
+            _dtype_key(k): _positive(v, f"peak_flops[{k!r}]") for k, v in self.peak_flops.items()
+        }
+        if "float32" not in flops:
+            raise ValueError(f"DeviceSpec {self.name!r}: peak_flops needs a 'float32' entry")
+        object.__setattr__(self, "peak_flops", _FrozenMap(flops))
+        object.__setattr__(self, "memory_bytes", _positive(self.memory_bytes, "memory_bytes"))
+        object.__setattr__(
+            self, "memory_bandwidth", _positive(self.memory_bandwidth, "memory_bandwidth")
+        )
+
+    def peak_flops_for(self, dtype: str | torch.dtype) -> float:
+        """Peak FLOP/s for ``dtype``; dtypes without an entry fall back to float32."""
+        return self.peak_flops.get(_dtype_key(dtype), self.peak_flops["float32"])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "peak_flops": dict(self.peak_flops),
+            "memory_bytes": self.memory_bytes,
+            "memory_bandwidth": self.memory_bandwidth,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """Alpha-beta link of one mesh axis: per-device bus ``bandwidth`` (bytes/s), ``latency`` (s)."""
+
+    bandwidth: float
+    latency: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bandwidth", _positive(self.bandwidth, "Link.bandwidth"))
+        latency = float(self.latency)
+        if not (latency >= 0 and math.isfinite(latency)):
+            raise ValueError(f"Link.latency must be a finite number >= 0, got {latency!r}")
+        object.__setattr__(self, "latency", latency)
+
+    def __str__(self) -> str:
+        return f"{self.bandwidth / 1e9:g} GB/s {self.latency * 1e6:g} us"
+
+
+@dataclass(frozen=True, slots=True)
+class _Preset:
+    device: DeviceSpec
+    intra: Link  # inside a node (per device)
+    nic_bandwidth_per_node: float  # bytes/s, all NICs of a node together
+    inter_latency: float
+    devices_per_node: int | None  # None: as many as the mesh asks for (cpu)
+    backend: str
+    device_label: str  # name of the per-node axis in default meshes
+
+
+PRESETS: dict[str, _Preset] = {
+    # 8x A100-SXM4-80GB, NVLink3 (~300 GB/s bus bw), 8x HDR 200Gb/s InfiniBand (25 GB/s/GPU).
+    "dgx-a100-80g": _Preset(
+        DeviceSpec("A100-SXM4-80GB", {"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12}, 80 * _GiB, 2.0e12),
+        Link(300e9, 5e-6), 8 * 25e9, 10e-6, 8, "nccl", "gpu",
+    ),
+    # 8x H100-SXM5-80GB, NVLink4 (~450 GB/s bus bw), 8x NDR 400Gb/s InfiniBand (50 GB/s/GPU).
+    "dgx-h100": _Preset(
+        DeviceSpec("H100-SXM5-80GB", {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12}, 80 * _GiB, 3.35e12),
+        Link(450e9, 5e-6), 8 * 50e9, 10e-6, 8, "nccl", "gpu",
+    ),
+    # 8x V100-SXM2-16GB, NVLink2 (~150 GB/s), one 25Gb/s Ethernet NIC per node. V100 has no
+    # bf16 units: bf16 runs at the fp32 rate.
+    "p3.16xlarge": _Preset(
+        DeviceSpec("V100-SXM2-16GB", {"float32": 15.7e12, "bfloat16": 15.7e12, "float16": 125e12}, 16 * _GiB, 900e9),
+        Link(150e9, 5e-6), 25e9 / 8, 30e-6, 8, "nccl", "gpu",
+    ),
+    # This CPU box with gloo: every axis, inside or across "nodes", gets the same slow link.
+    "cpu": _Preset(
+        DeviceSpec("cpu", {"float32": 50e9, "bfloat16": 25e9, "float16": 25e9}, 24e9, 20e9),
+        Link(1e9, 50e-6), math.inf, 50e-6, None, "gloo", "cpu",
+    ),
+}  # fmt: skip
+
+
+def _axis_links(mesh: Sequence[int], devices_per_node: int, preset: _Preset) -> tuple[Link, ...]:
+    links = []
+    for i in range(len(mesh)):
+        if math.prod(mesh[i:]) <= devices_per_node:
+            links.append(preset.intra)
+            continue
+        concurrent = min(devices_per_node, math.prod(mesh[i + 1 :]))
+        bandwidth = min(preset.intra.bandwidth, preset.nic_bandwidth_per_node / concurrent)
+        links.append(Link(bandwidth, max(preset.inter_latency, preset.intra.latency)))
+    return tuple(links)
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    """``device`` x ``mesh_shape`` (named by ``axis_names``), one ``Link`` per mesh axis."""
+
+    device: DeviceSpec
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    links: tuple[Link, ...]
+    backend: str = "nccl"
+    devices_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        mesh = tuple(self.mesh_shape)
+        names = tuple(self.axis_names)
+        links = tuple(self.links)
+        if not mesh:
+            raise ValueError("Cluster.mesh_shape must have at least one axis")
+        if any(isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in mesh):
+            raise ValueError(f"Cluster.mesh_shape must be positive ints, got {mesh}")
+        if not (len(mesh) == len(names) == len(links)):
+            raise ValueError(
+                f"mesh_shape {mesh}, axis_names {names} and links ({len(links)}) must have one "
+                "entry per mesh axis"
+            )
+        if any(not isinstance(n, str) or not n for n in names):
+            raise ValueError(f"axis_names must be non-empty strings, got {names}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"axis_names must be unique, got {names}")
+        if any(not isinstance(link, Link) for link in links):
+            raise ValueError("Cluster.links must be Link instances")
+        if not self.backend:
+            raise ValueError("Cluster.backend must be a non-empty string")
+        if isinstance(self.devices_per_node, bool) or int(self.devices_per_node) <= 0:
+            raise ValueError(f"devices_per_node must be > 0, got {self.devices_per_node!r}")
+        object.__setattr__(self, "mesh_shape", mesh)
+        object.__setattr__(self, "axis_names", names)
+        object.__setattr__(self, "links", links)
+        object.__setattr__(self, "devices_per_node", int(self.devices_per_node))
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.mesh_shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.mesh_shape)
+
+    def axis_index(self, axis: int | str) -> int:
+        """Index of mesh axis ``axis`` (a name, or an int, negative counting from the end)."""
+        if isinstance(axis, str):
+            if axis not in self.axis_names:
+                raise ValueError(f"unknown mesh axis {axis!r}; axes are {self.axis_names}")
+            return self.axis_names.index(axis)
+        if not -self.ndim <= axis < self.ndim:
+            raise ValueError(f"mesh axis {axis} out of range for a {self.ndim}-D mesh")
+        return axis % self.ndim
+
+    def axis_size(self, axis: int | str) -> int:
+        return self.mesh_shape[self.axis_index(axis)]
+
+    def link(self, axis: int | str) -> Link:
+        return self.links[self.axis_index(axis)]
+
+    # ---------------------------------------------------------------- serialization
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict; ``Cluster.from_dict(json.loads(json.dumps(c.to_dict()))) == c``."""
+        return {
+            "device": self.device.to_dict(),
+            "mesh_shape": list(self.mesh_shape),
+            "axis_names": list(self.axis_names),
+            "links": [{"bandwidth": lk.bandwidth, "latency": lk.latency} for lk in self.links],
+            "backend": self.backend,
+            "devices_per_node": self.devices_per_node,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Cluster:
+        try:
+            dev = data["device"]
+            return cls(
+                device=DeviceSpec(
+                    dev["name"], dev["peak_flops"], dev["memory_bytes"], dev["memory_bandwidth"]
+                ),
+                mesh_shape=tuple(int(s) for s in data["mesh_shape"]),
+                axis_names=tuple(data["axis_names"]),
+                links=tuple(Link(lk["bandwidth"], lk["latency"]) for lk in data["links"]),
+                backend=data.get("backend", "nccl"),
+                devices_per_node=int(data.get("devices_per_node", 8)),
+            )
+        except (KeyError, TypeError) as e:
+            raise ValueError(
+                f"not a Cluster dict ({e!r}): {json.dumps(data, default=str)[:200]}"
+            ) from e
+
+    def __str__(self) -> str:
+        axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.mesh_shape, strict=True))
+        links = ", ".join(f"{n}: {lk}" for n, lk in zip(self.axis_names, self.links, strict=True))
+        return f"{self.device.name} x{self.world_size} mesh({axes}) links({links}) {self.backend}"
+
+    # ---------------------------------------------------------------- constructors
+    @classmethod
+    def preset(
+        cls,
+        name: str,
+        nodes: int = 1,
+        mesh: Sequence[int] | None = None,
+        axis_names: Sequence[str] | None = None,
+        *,
+        devices_per_node: int | None = None,
+    ) -> Cluster:
+        """A known machine type (see ``PRESETS``) times ``nodes``.
+
+        Default mesh: ``(nodes, devices_per_node)`` named ``("node", "gpu")`` if ``nodes > 1``,
+        else ``(devices_per_node,)``. A given ``mesh`` must use every device. The ``cpu`` preset
+        has no fixed node size: it takes ``prod(mesh) // nodes`` (1 without a mesh).
+        """
+        if name not in PRESETS:
+            raise ValueError(f"unknown cluster preset {name!r}; known presets: {sorted(PRESETS)}")
+        p = PRESETS[name]
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes <= 0:
+            raise ValueError(f"nodes must be a positive int, got {nodes!r}")
+        dpn = devices_per_node or p.devices_per_node
+        if dpn is None:
+            total = math.prod(mesh) if mesh is not None else nodes
+            if total % nodes:
+                raise ValueError(
+                    f"mesh {tuple(mesh or ())} does not split evenly over {nodes} nodes"
+                )
+            dpn = total // nodes
+        if mesh is None:
+            mesh = (nodes, dpn) if nodes > 1 else (dpn,)
+            if axis_names is None:
+                axis_names = ("node", p.device_label) if nodes > 1 else (p.device_label,)
+        mesh = tuple(int(s) for s in mesh)
+        if math.prod(mesh) != nodes * dpn:
+            raise ValueError(
+                f"mesh {mesh} has {math.prod(mesh)} devices but preset {name!r} with nodes={nodes} "
+                f"has {nodes}x{dpn} = {nodes * dpn}; pass a mesh whose sizes multiply to "
+                f"{nodes * dpn}, or change nodes="
+            )
+        if axis_names is None:
+            axis_names = tuple(f"axis{i}" for i in range(len(mesh)))
+        return cls(
+            device=p.device,
+            mesh_shape=mesh,
+            axis_names=tuple(axis_names),
+            links=_axis_links(mesh, dpn, p),
+            backend=p.backend,
+            devices_per_node=dpn,
+        )
+
+    @classmethod
+    def local(
+        cls,
+        mesh: Sequence[int] = (2, 2),
+        axis_names: Sequence[str] = ("dp", "tp"),
+        preset: str = "cpu",
+    ) -> Cluster:
+        """The cluster this process runs in (launched by torchrun), links from ``preset``.
+
+        Checks ``prod(mesh)`` against the initialized process group; without one, only a
+        single-device mesh is accepted. Devices per node come from ``LOCAL_WORLD_SIZE``.
+        """
+        import torch.distributed as dist
+
+        mesh = tuple(int(s) for s in mesh)
+        need = math.prod(mesh)
+        if dist.is_available() and dist.is_initialized():
+            world = dist.get_world_size()
+            if need != world:
+                raise ValueError(
+                    f"mesh {mesh} has {need} devices but the process group has {world} ranks; "
+                    f"pass a mesh whose sizes multiply to {world} (e.g. mesh=({world},)), or "
+                    f"launch {need} processes (torchrun --nproc-per-node {need} ...)"
+                )
+        elif need != 1:
+            raise RuntimeError(
+                f"Cluster.local(mesh={mesh}) needs {need} processes but torch.distributed is not "
+                f"initialized; launch with `torchrun --nproc-per-node {need} script.py` and call "
+                "torch.distributed.init_process_group() first (backend 'gloo' on CPU), or use "
+                "Cluster.preset(...) to plan without launching"
+            )
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", need))
+        if local_world <= 0 or need % local_world:
+            local_world = need
+        return cls.preset(
+            preset,
+            nodes=need // local_world,
+            mesh=mesh,
+            axis_names=tuple(axis_names),
+            devices_per_node=local_world,
+        )
+
+    def device_mesh(self, device_type: str | None = None) -> Any:
+        """``init_device_mesh`` over this cluster's mesh (needs an initialized process group)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if device_type is None:
+            device_type = "cpu" if self.backend == "gloo" else "cuda"
+        return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.axis_names)

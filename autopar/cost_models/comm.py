@@ -1,0 +1,209 @@
+"""Communication cost model: alpha-beta per mesh axis, ring/pairwise collectives.
+
+Collectives (``collective_time``)
+---------------------------------
+For a collective over mesh axis ``a`` of size ``n`` with link ``(alpha = latency,
+beta = bus bandwidth)`` and ``B`` = ``nbytes``, the bytes of the tensor *unsharded over this
+axis* (the all-reduce input, the all-gather output, the reduce-scatter input, the
+all-to-all's global tensor over this axis)::
+
+    all_reduce      2(n-1) alpha + 2(n-1)/n   * B / beta     (ring: reduce-scatter + all-gather)
+    all_gather       (n-1) alpha +  (n-1)/n   * B / beta     (ring)
+    reduce_scatter   (n-1) alpha +  (n-1)/n   * B / beta     (ring)
+    all_to_all       (n-1) alpha +  (n-1)/n^2 * B / beta     (pairwise: each device holds B/n
+                                                              and sends (n-1)/n of it)
+
+``n == 1`` or ``B == 0`` cost 0. These are NCCL's "bus bandwidth" conventions, so ``beta`` is
+what nccl-tests report as busbw. ``all_reduce == reduce_scatter + all_gather`` holds exactly
+in this model. Point-to-point: ``send_recv_time = alpha + B / beta``.
+
+Redistribution (``redistribute_time``, ``redistribute_steps``)
+--------------------------------------------------------------
+A redistribution ``src -> dst`` (one placement per mesh axis) is a sequence of per-axis
+steps, ordered exactly as DTensor's default (greedy) planner orders them, so that the cost
+predicts what ``DTensor.redistribute`` executes: if ``src`` is sharded, axes are visited
+inner to outer (last axis first) and every differing axis is transformed, except that a
+target ``Shard(d)`` whose outer axes shard ``d`` differently than the target does (nested
+sharding) is first taken to ``Replicate``; then axes are visited outer to inner to finish.
+Per step ``cur -> tgt`` on axis ``a``:
+
+    Partial   -> Replicate : all_reduce         Shard(i) -> Replicate : all_gather
+    Partial   -> Shard(j)  : reduce_scatter     Shard(i) -> Shard(j)  : all_to_all
+    Replicate -> Shard/Partial : local (free)   equal                 : nothing
+    Shard -> Partial, Partial(op1) -> Partial(op2) : unsupported by DTensor (cost = inf)
+
+``_MaskPartial`` is a ``Partial`` and is treated as one. The bytes of a step are those of the
+tensor as sharded by the *other* axes at that moment (``memory.local_shape`` with axis ``a``
+replaced by ``Replicate``), i.e. ``B`` above. DTensor's merging of equal collectives on
+adjacent axes into one flattened collective is not modelled (the cost is the same to first
+order: same bytes, fewer latency terms).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from enum import Enum
+from typing import Any
+
+from torch.distributed.tensor import Replicate, Shard
+
+from autopar.cluster import Cluster, Link
+from autopar.cost_models.memory import local_numel, shard_dim
+
+__all__ = [
+    "Collective",
+    "collective_time",
+    "redistribute_steps",
+    "redistribute_time",
+    "send_recv_time",
+    "transition_kind",
+]
+
+
+class Collective(str, Enum):
+    """Kind of one redistribution step (``LOCAL`` moves no data between devices)."""
+
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    LOCAL = "local"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _factors(kind: Collective, n: int) -> tuple[float, float]:
+    """(latency steps, volume factor on B) of ``kind`` over ``n`` devices."""
+    if kind is Collective.ALL_REDUCE:
+        return 2.0 * (n - 1), 2.0 * (n - 1) / n
+    if kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
+        return float(n - 1), (n - 1) / n
+    if kind is Collective.ALL_TO_ALL:
+        return float(n - 1), (n - 1) / (n * n)
+    return 0.0, 0.0
+
+
+def collective_time(
+    kind: Collective | str, nbytes: float, axis: int | str, cluster: Cluster
+) -> float:
+    """Seconds for collective ``kind`` on ``nbytes`` (unsharded over ``axis``) along ``axis``."""
+    try:
+        kind = Collective(kind)
+    except ValueError:
+        kinds = [k.value for k in Collective]
+        raise ValueError(f"unknown collective {kind!r}; expected one of {kinds}") from None
+    n = cluster.axis_size(axis)
+    if n == 1 or nbytes <= 0 or kind is Collective.LOCAL:
+        return 0.0
+    link = cluster.link(axis)
+    steps, volume = _factors(kind, n)
+    return steps * link.latency + volume * float(nbytes) / link.bandwidth
+
+
+def send_recv_time(nbytes: float, link: Link) -> float:
+    """Seconds for one point-to-point transfer of ``nbytes`` over ``link`` (0 bytes: free)."""
+    if nbytes <= 0:
+        return 0.0
+    return link.latency + float(nbytes) / link.bandwidth
+
+
+def transition_kind(cur: Any, tgt: Any) -> Collective | None:
+    """Step kind of one axis going ``cur -> tgt`` (``None``: unsupported by DTensor)."""
+    if cur == tgt:
+        return Collective.LOCAL
+    cur_dim, tgt_dim = shard_dim(cur), shard_dim(tgt)
+    if tgt.is_replicate():
+        return Collective.ALL_REDUCE if cur.is_partial() else Collective.ALL_GATHER
+    if tgt_dim is not None:
+        if cur.is_replicate():
+            return Collective.LOCAL
+        if cur.is_partial():
+            # A _StridedShard target is reached by reduce-then-slice.
+            return Collective.REDUCE_SCATTER if isinstance(tgt, Shard) else Collective.ALL_REDUCE
+        plain = isinstance(cur, Shard) and isinstance(tgt, Shard)
+        return Collective.ALL_TO_ALL if plain and cur_dim != tgt_dim else Collective.ALL_GATHER
+    # Target is a Partial: only Replicate -> Partial exists.
+    return Collective.LOCAL if cur.is_replicate() else None
+
+
+def _plan(
+    src: Sequence[Any], dst: Sequence[Any], mesh_shape: Sequence[int] | None
+) -> list[tuple[int, tuple[Any, ...], Any, Any]]:
+    """DTensor's greedy step order: ``(axis, spec before the step, cur, tgt)`` per step."""
+    if len(src) != len(dst):
+        raise ValueError(f"src {tuple(src)} and dst {tuple(dst)} have different mesh ranks")
+    if mesh_shape is not None and len(mesh_shape) != len(src):
+        raise ValueError(f"spec {tuple(src)} does not match mesh {tuple(mesh_shape)}")
+    cur, tgt = list(src), list(dst)
+    steps: list[tuple[int, tuple[Any, ...], Any, Any]] = []
+
+    def step(axis: int, to: Any) -> None:
+        if cur[axis] != to:
+            steps.append((axis, tuple(cur), cur[axis], to))
+            cur[axis] = to
+
+    sizes = mesh_shape if mesh_shape is not None else [2] * len(src)
+    sharded = math.prod(n for p, n in zip(src, sizes, strict=True) if shard_dim(p) is not None) > 1
+    if len(src) > 1 and sharded:
+        for axis in reversed(range(len(cur))):
+            to = tgt[axis]
+            if isinstance(to, Shard):
+                d = to.dim
+                before_cur = [i for i in range(axis) if cur[i].is_shard(d)]
+                before_tgt = [i for i in range(axis) if tgt[i].is_shard(d)]
+                if before_cur != before_tgt:  # nested sharding misaligned: unshard first
+                    to = Replicate()
+            step(axis, to)
+    for axis in range(len(cur)):
+        step(axis, tgt[axis])
+    return steps
+
+
+def redistribute_steps(
+    src: Sequence[Any],
+    dst: Sequence[Any],
+    mesh_shape: Sequence[int] | None = None,
+    *,
+    include_local: bool = False,
+) -> list[tuple[int, Collective]]:
+    """``(axis, kind)`` per step of ``src -> dst`` in execution order (see module docstring).
+
+    Free local steps are left out unless ``include_local``. ``mesh_shape`` only matters for
+    the order when ``src`` shards solely over size-1 axes (DTensor then skips the inner pass).
+    Raises ``ValueError`` for transitions DTensor cannot perform (Shard -> Partial, ...).
+    """
+    out = []
+    for axis, _, cur, tgt in _plan(src, dst, mesh_shape):
+        kind = transition_kind(cur, tgt)
+        if kind is None:
+            raise ValueError(f"DTensor cannot redistribute {cur} -> {tgt} (mesh axis {axis})")
+        if include_local or kind is not Collective.LOCAL:
+            out.append((axis, kind))
+    return out
+
+
+def redistribute_time(
+    src: Sequence[Any],
+    dst: Sequence[Any],
+    shape: Sequence[int],
+    itemsize: int,
+    cluster: Cluster,
+) -> float:
+    """Seconds to redistribute a global ``shape`` tensor from ``src`` to ``dst`` on ``cluster``.
+
+    Returns ``math.inf`` when DTensor cannot perform the transition (callers forbid the pair).
+    """
+    total = 0.0
+    for axis, before, cur, tgt in _plan(src, dst, cluster.mesh_shape):
+        kind = transition_kind(cur, tgt)
+        if kind is None:
+            return math.inf
+        if kind is Collective.LOCAL:
+            continue
+        full_over_axis = list(before)
+        full_over_axis[axis] = Replicate()
+        nbytes = local_numel(shape, full_over_axis, cluster.mesh_shape) * itemsize
+        total += collective_time(kind, nbytes, axis, cluster)
+    return total

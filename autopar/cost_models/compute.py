@@ -1,0 +1,181 @@
+"""Compute cost model: FLOPs and bytes of an ATen FX node, roofline time.
+
+FLOPs (``node_flops``), from the node's ``meta["val"]`` FakeTensors
+--------------------------------------------------------------------
+* Ops in ``torch.utils.flop_counter.flop_registry`` (mm, addmm, bmm, baddbmm, convolution,
+  the fused sdpa kernels and their backwards, ...) use PyTorch's own formulas, e.g. mm
+  ``[M,K] @ [K,N]`` = ``2*M*N*K``.
+* ``aten.scaled_dot_product_attention`` (kept whole by capture) and the CPU flash kernel:
+  ``QK^T`` and ``PV`` = ``2*B*Hq*T*S*D + 2*B*Hq*T*S*Dv`` (= ``4*B*H*T*S*D``; GQA broadcasts KV
+  heads). With ``is_causal`` the count is halved: flash kernels skip fully masked blocks.
+  (PyTorch's counter does not halve.)
+* View ops (``OpOverload.is_view``, ``_unsafe_view``, getitem) cost 0 FLOPs and 0 bytes.
+* Everything else: 1 FLOP per element of the largest tensor it touches (the output for
+  elementwise ops, the input for reductions).
+
+Bytes (``node_bytes``): bytes of all tensor inputs + outputs (each read or written once).
+Gathers (embedding, index_select, index, gather) read only the rows they output, so their
+table input is charged at the output's size.
+
+Time (``compute_time``): roofline ``max(flops / peak_flops[dtype], bytes / mem_bandwidth)``.
+``backward_factor``: backward FLOPs / forward FLOPs: 2 for matmuls and convolutions (grad of
+input and of weight), 2.5 for attention (flash backward recomputes ``QK^T``: 5 matmuls vs 2),
+1 otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import torch
+from torch.fx import Node
+from torch.fx.node import map_arg
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+
+from autopar.cluster import Cluster
+
+__all__ = [
+    "backward_factor",
+    "compute_time",
+    "node_bytes",
+    "node_dtype",
+    "node_flops",
+    "node_time",
+]
+
+aten = torch.ops.aten
+
+_SDPA = {
+    aten.scaled_dot_product_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu,
+}
+_SDPA_FUSED = {
+    aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_cudnn_attention,
+}
+_MATMUL = {
+    aten.mm,
+    aten.addmm,
+    aten.bmm,
+    aten.baddbmm,
+    aten.matmul,
+    aten.linear,
+    aten.convolution,
+    aten._convolution,
+}
+_FREE = {aten._unsafe_view, aten.sym_size, aten.sym_numel, aten.sym_stride}
+_GATHERS = {aten.embedding, aten.index_select, aten.index, aten.gather}
+
+
+def _packet(node: Node) -> Any:
+    return getattr(node.target, "overloadpacket", None)
+
+
+def _vals(node: Node) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``node.args``/``kwargs`` with every input node replaced by its ``meta["val"]``."""
+    args = map_arg(node.args, lambda n: n.meta.get("val"))
+    kwargs = map_arg(node.kwargs, lambda n: n.meta.get("val"))
+    return args, kwargs
+
+
+def _tensors(val: Any) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (tuple, list)):
+        return [t for v in val for t in _tensors(v)]
+    if isinstance(val, dict):
+        return [t for v in val.values() for t in _tensors(v)]
+    return []
+
+
+def _is_free(node: Node) -> bool:
+    if node.op != "call_function" or node.target is operator.getitem:
+        return True
+    return bool(getattr(node.target, "is_view", False)) or _packet(node) in _FREE
+
+
+def _arg(node: Node, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
+    """Value of schema argument ``name`` (positional, keyword or its default)."""
+    if name in kwargs:
+        return kwargs[name]
+    for i, a in enumerate(node.target._schema.arguments):
+        if a.name == name:
+            return args[i] if i < len(args) else a.default_value
+    return None
+
+
+def _sdpa_flops(node: Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+    q, k, v = args[:3]
+    flops = float(sdpa_flop_count(tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+    return flops / 2 if _arg(node, args, kwargs, "is_causal") else flops
+
+
+def node_flops(node: Node) -> float:
+    """Forward FLOPs of one ATen FX node (see module docstring); 0 for non-compute nodes."""
+    if _is_free(node):
+        return 0.0
+    packet = _packet(node)
+    args, kwargs = _vals(node)
+    if packet in _SDPA:
+        return _sdpa_flops(node, args, kwargs)
+    if packet in flop_registry:
+        try:
+            return float(flop_registry[packet](*args, out_val=node.meta.get("val"), **kwargs))
+        except (TypeError, ValueError, AssertionError, AttributeError):
+            pass  # unusual overload signature: fall back to the element count
+    if packet in _GATHERS:
+        return float(sum(t.numel() for t in _tensors(node.meta.get("val"))))
+    sizes = [t.numel() for t in _tensors((args, kwargs)) + _tensors(node.meta.get("val"))]
+    return float(max(sizes, default=0))
+
+
+def node_bytes(node: Node) -> float:
+    """Bytes read + written by one ATen FX node (see module docstring); 0 for views."""
+    if _is_free(node):
+        return 0.0
+    args, kwargs = _vals(node)
+    outs = _tensors(node.meta.get("val"))
+    ins = _tensors((args, kwargs))
+    if _packet(node) in _GATHERS and ins:
+        table = ins.pop(0)  # only the rows actually gathered are read
+        ins.append(torch.empty(sum(t.numel() for t in outs), dtype=table.dtype, device="meta"))
+    return float(sum(_bytes(t) for t in ins) + sum(_bytes(t) for t in outs))
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def node_dtype(node: Node) -> torch.dtype:
+    """Dtype the node computes in: its first floating tensor input or output, else float32."""
+    args, kwargs = _vals(node)
+    for t in _tensors((args, kwargs)) + _tensors(node.meta.get("val")):
+        if t.is_floating_point():
+            return t.dtype
+    return torch.float32
+
+
+def compute_time(flops: float, nbytes: float, dtype: str | torch.dtype, cluster: Cluster) -> float:
+    """Roofline seconds: ``max(flops / peak_flops[dtype], nbytes / memory_bandwidth)``."""
+    device = cluster.device
+    return max(flops / device.peak_flops_for(dtype), nbytes / device.memory_bandwidth)
+
+
+def node_time(node: Node, cluster: Cluster, *, fraction: float = 1.0) -> float:
+    """Roofline seconds of a node doing ``fraction`` of its work (e.g. ``1/shards``)."""
+    if not 0 <= fraction <= 1 or math.isnan(fraction):
+        raise ValueError(f"fraction must be in [0, 1], got {fraction}")
+    return compute_time(
+        node_flops(node) * fraction, node_bytes(node) * fraction, node_dtype(node), cluster
+    )
+
+
+def backward_factor(node: Node) -> float:
+    """Backward FLOPs as a multiple of forward FLOPs (see module docstring)."""
+    packet = _packet(node)
+    if packet in _SDPA or packet in _SDPA_FUSED:
+        return 2.5
+    return 2.0 if packet in _MATMUL else 1.0

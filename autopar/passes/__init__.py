@@ -1,0 +1,1 @@
+"""Graph passes: strategy enumeration (``strategies``) and lowering of a plan (``lower``)."""

@@ -1,0 +1,141 @@
+"""``enumerate_strategies(gm, mesh)``: the candidate strategies of every node of a graph.
+
+Nodes are visited in graph (topological) order. Per node kind:
+
+* placeholder / get_attr holding a tensor: one strategy per *storage* spec, i.e. every
+  product over mesh axes of ``{R} ∪ {S(d) : d a dim}`` that divides evenly; ``inputs=()``.
+* ``operator.getitem`` of a multi-output node: exactly one strategy per strategy of the
+  producer, in the same order (``strategies[getitem][i]`` belongs to
+  ``strategies[producer][i]``), with input and output both the producer's output spec at
+  that index. The search can therefore tie a getitem's choice to its producer's.
+* call_function with no tensor input (arange, full, scalar_tensor, ...): all-Replicate.
+* an op with an autopar rule (``rules/``): the rule's strategies.
+* any other op: DTensor's registry (:mod:`.from_dtensor`); an op DTensor cannot handle
+  gets only the all-Replicate strategy (logged once per op).
+
+Every call_function node's list contains the all-Replicate strategy (all tensor inputs
+and outputs ``R``), first; duplicates are removed. Nodes that produce no tensor and are
+not getitems (the output node, export's ``_guards_fn`` module call, asserts) get no entry.
+The input specs of a strategy may differ from every spec its producers offer; the search
+prices that resharding on the edge.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from autopar.passes.strategies.from_dtensor import Candidates, dtensor_strategies
+from autopar.passes.strategies.rules import get_rule
+from autopar.passes.strategies.spec import (
+    NodeStrategy,
+    Spec,
+    is_tensor_node,
+    is_valid_spec,
+    output_vals,
+    replicate_spec,
+    tensor_inputs,
+)
+
+log = logging.getLogger(__name__)
+_warned: set[object] = set()
+
+
+def storage_specs(shape: torch.Size, mesh_shape: tuple[int, ...]) -> list[Spec]:
+    """Every evenly dividing product over axes of {R} ∪ {S(d)}, all-Replicate first."""
+    per_axis: list[Placement] = [Replicate(), *(Shard(d) for d in range(len(shape)))]
+    return [
+        spec
+        for spec in itertools.product(per_axis, repeat=len(mesh_shape))
+        if is_valid_spec(spec, shape, mesh_shape)
+    ]
+
+
+def replicate_strategy(node: fx.Node, ndim: int) -> NodeStrategy:
+    """All tensor inputs and all tensor outputs replicated."""
+    rep = replicate_spec(ndim)
+    ins = tuple(rep if is_tensor_node(i) else None for i in tensor_inputs(node))
+    outs = tuple(None if v is None else rep for v in output_vals(node))
+    return NodeStrategy(ins, outs)
+
+
+def _getitem_strategies(node: fx.Node, table: dict[fx.Node, list[NodeStrategy]]) -> list:
+    producer, index = node.args
+    return [
+        NodeStrategy((s.outputs[index],), (s.outputs[index],))  # type: ignore[index]
+        for s in table[producer]  # type: ignore[index]
+    ]
+
+
+def _candidates(node: fx.Node, table: dict[fx.Node, list[NodeStrategy]], ndim: int) -> Candidates:
+    """Per tensor input of ``node``: the distinct output specs its producer may have."""
+    cands: Candidates = {}
+    for inp in tensor_inputs(node):
+        specs: dict[str, Spec] = {}
+        for s in table.get(inp, []):
+            out = s.outputs[0] if s.outputs else None
+            if out is not None:
+                specs.setdefault("".join(map(str, out)), out)
+        cands[inp] = list(specs.values()) or [replicate_spec(ndim)]
+    return cands
+
+
+def _dedup(strategies: list[NodeStrategy]) -> list[NodeStrategy]:
+    seen: dict[str, NodeStrategy] = {}
+    for s in strategies:
+        seen.setdefault(s.key(), s)
+    return list(seen.values())
+
+
+def _op_strategies(
+    node: fx.Node, mesh: DeviceMesh, table: dict[fx.Node, list[NodeStrategy]]
+) -> list[NodeStrategy]:
+    """Strategies of a call_function node other than getitem; all-Replicate first."""
+    rep = replicate_strategy(node, mesh.ndim)
+    if not any(is_tensor_node(i) for i in tensor_inputs(node)):
+        return [rep]
+    rule = get_rule(node.target)
+    if rule is not None:
+        found = rule(node, mesh)
+    else:
+        found = dtensor_strategies(node, mesh, _candidates(node, table, mesh.ndim))
+        if not found and node.target not in _warned:
+            _warned.add(node.target)
+            log.warning("no sharding strategies for %s: planning it replicated", node.target)
+    return _dedup([rep, *found])
+
+
+def node_strategies(
+    node: fx.Node, mesh: DeviceMesh, table: dict[fx.Node, list[NodeStrategy]]
+) -> list[NodeStrategy] | None:
+    """The strategies of one node given those of the nodes before it (None: no entry)."""
+    if node.op in ("placeholder", "get_attr"):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return None
+        return [NodeStrategy((), (s,)) for s in storage_specs(val.shape, tuple(mesh.shape))]
+    if node.op != "call_function":
+        return None
+    if node.target is operator.getitem and node.args[0] in table:
+        return _getitem_strategies(node, table)
+    if not any(v is not None for v in output_vals(node)):
+        return None
+    return _op_strategies(node, mesh, table)
+
+
+def enumerate_strategies(gm: fx.GraphModule, mesh: DeviceMesh) -> dict[fx.Node, list[NodeStrategy]]:
+    """Candidate strategies per node of ``gm`` (ATen graph with ``meta["val"]``) on ``mesh``."""
+    table: dict[fx.Node, list[NodeStrategy]] = {}
+    for node in gm.graph.nodes:
+        found = node_strategies(node, mesh, table)
+        if found is not None:
+            assert found, f"no strategy for {node.format_node()}"
+            table[node] = found
+    return table

@@ -1,0 +1,178 @@
+"""Intra-op search: from the captured graph and its strategies to one strategy per node.
+
+`search_plan(captured, cluster, mesh, options) -> Plan`
+
+Building the ILP (`autopar.search.ilp` holds the formulation itself):
+
+1. `build_decisions` — one *decision* per node, except *followers*: a node whose only
+   tensor input comes from one producer and which has, for every choice of that producer,
+   a strategy taking the producer's output as it is (views, permutes, getitems, unary
+   elementwise). A follower adds its cost and memory to the producer's decision and costs
+   no resharding. Pins (strategy="dp"/"fsdp"/"tp", per-parameter overrides) restrict the
+   choices of placeholders before this step.
+2. `share_layers` — decisions of repeated layers (same `nn_module_stack` block structure,
+   same strategies) map onto the first such layer's decisions, so a 96-layer model solves
+   like a one-layer one; their costs and memories add up on the shared decision.
+3. `price` — node cost = roofline time of forward + backward on the strategy's share of the
+   work; edge cost = forward redistribution producer-output -> consumer-input plus its
+   backward transpose (a Replicate input of a split computation receives a Partial
+   gradient: that is where DP's all-reduce and FSDP's reduce-scatter are priced);
+   memory = parameters + gradients + optimizer state of local shards, plus saved
+   activations.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.capture import Captured
+from autopar.capture.export import layer_of
+from autopar.cluster import Cluster
+from autopar.passes.strategies import NodeStrategy, enumerate_strategies
+from autopar.plan import Plan
+from autopar.search.costs import CostContext
+from autopar.search.ilp import Edge, IntraOpProblem, solve_intra_op
+from autopar.search.pins import SearchOptions, apply_pins
+from autopar.search.to_plan import assemble_plan
+
+
+@dataclass
+class Decision:
+    """One ILP decision: its choices index the strategies of its first member."""
+
+    num_choices: int
+    members: list[tuple[fx.Node, list[int]]] = field(default_factory=list)  # node, choice->strat
+
+
+@dataclass
+class Decisions:
+    items: list[Decision]
+    owner: dict[fx.Node, tuple[int, list[int]]]  # node -> (decision, choice -> strategy)
+
+
+def build_decisions(gm: fx.GraphModule, strats: dict[fx.Node, list[NodeStrategy]],
+                    ctx: CostContext) -> Decisions:
+    items: list[Decision] = []
+    owner: dict[fx.Node, tuple[int, list[int]]] = {}
+    for n in gm.graph.nodes:
+        if n not in strats:
+            continue
+        follow = _follow(n, strats, owner, items, ctx)
+        if follow is not None:
+            d, mapping = follow
+        else:
+            d, mapping = len(items), list(range(len(strats[n])))
+            items.append(Decision(num_choices=len(strats[n])))
+        items[d].members.append((n, mapping))
+        owner[n] = (d, mapping)
+    return Decisions(items, owner)
+
+
+def _follow(n: fx.Node, strats, owner, items, ctx: CostContext):
+    ins = ctx.tensor_inputs(n)
+    if n.op != "call_function" or len(ins) != 1 or ins[0] not in owner:
+        return None
+    u = ins[0]
+    d, map_u = owner[u]
+    by_input: dict[object, int] = {}
+    for j, s in enumerate(strats[n]):
+        key = s.inputs[0] if s.inputs else None
+        if key not in by_input or ctx.node_cost(n, s) < ctx.node_cost(n, strats[n][by_input[key]]):
+            by_input[key] = j
+    mapping = []
+    for c in range(items[d].num_choices):
+        out = ctx.output_spec(u, strats[u][map_u[c]], n)
+        if out not in by_input:
+            return None
+        mapping.append(by_input[out])
+    return d, mapping
+
+
+def share_layers(dec: Decisions, strats) -> list[int]:
+    """rep[d] = the decision that d shares its choice with (itself if not repeated)."""
+    by_layer: dict[str, list[int]] = defaultdict(list)
+    for d, item in enumerate(dec.items):
+        layer = layer_of(item.members[0][0])
+        if layer is not None:
+            by_layer[layer].append(d)
+    rep = list(range(len(dec.items)))
+    first_of: dict[tuple, list[int]] = {}
+    for ds in by_layer.values():
+        sig = tuple(_signature(dec.items[d], strats) for d in ds)
+        if sig in first_of:
+            for d, r in zip(ds, first_of[sig], strict=True):
+                rep[d] = r
+        else:
+            first_of[sig] = ds
+    return rep
+
+
+def _signature(item: Decision, strats) -> tuple:
+    return tuple((str(n.target), _shape(n), tuple(m), tuple(str(s) for s in strats[n]))
+                 for n, m in item.members)
+
+
+def _shape(n: fx.Node):
+    val = n.meta.get("val")
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def price(dec: Decisions, rep: list[int], strats, ctx: CostContext,
+          memory_limit: float, time_limit_s: float) -> tuple[IntraOpProblem, list[int]]:
+    reps = sorted(set(rep))
+    index = {r: i for i, r in enumerate(reps)}
+    cost = [[0.0] * dec.items[r].num_choices for r in reps]
+    mem = [[0.0] * dec.items[r].num_choices for r in reps]
+    for d, item in enumerate(dec.items):
+        i = index[rep[d]]
+        for n, mapping in item.members:
+            for c, j in enumerate(mapping):
+                cost[i][c] += ctx.node_cost(n, strats[n][j])
+                mem[i][c] += ctx.node_memory(n, strats[n][j])
+    edges = _edges(dec, rep, index, strats, ctx)
+    problem = IntraOpProblem(
+        node_cost=tuple(tuple(r) for r in cost), node_memory=tuple(tuple(r) for r in mem),
+        edges=tuple(edges), memory_limit=memory_limit, time_limit_s=time_limit_s)
+    return problem, [index[r] for r in rep]
+
+
+def _edges(dec: Decisions, rep, index, strats, ctx: CostContext) -> list[Edge]:
+    acc: dict[tuple[int, int], list[list[float]]] = {}
+    for d, item in enumerate(dec.items):
+        v_node, v_map = item.members[0]
+        for pos, u in enumerate(ctx.tensor_inputs(v_node)):
+            du, map_u = dec.owner[u]
+            key = (index[rep[du]], index[rep[d]])
+            mat = acc.setdefault(key, [[0.0] * len(v_map) for _ in map_u])
+            for cu, ju in enumerate(map_u):
+                src = ctx.output_spec(u, strats[u][ju], v_node)
+                for cv, jv in enumerate(v_map):
+                    mat[cu][cv] += ctx.edge_cost(u, src, v_node, strats[v_node][jv], pos)
+    return [Edge(u, v, tuple(tuple(r) for r in m)) for (u, v), m in acc.items()]
+
+
+def search_plan(captured: Captured, cluster: Cluster, mesh: DeviceMesh,
+                options: SearchOptions | None = None) -> Plan:
+    options = options or SearchOptions()
+    t0 = time.perf_counter()
+    strats = enumerate_strategies(captured.gm, mesh)
+    strats = apply_pins(captured, strats, options, mesh)
+    ctx = CostContext(cluster, optimizer_states=options.optimizer_states)
+    dec = build_decisions(captured.gm, strats, ctx)
+    rep = share_layers(dec, strats) if options.share_layers else list(range(len(dec.items)))
+    limit = options.memory_limit or cluster.device.memory_bytes * 0.9
+    problem, var_of = price(dec, rep, strats, ctx, limit, options.time_limit_s)
+    solution = solve_intra_op(problem)
+    chosen = {n: strats[n][mapping[solution.choices[var_of[d]]]]
+              for n, (d, mapping) in dec.owner.items()}
+    info = {"status": solution.status, "gap": solution.gap, "solve_time_s": solution.solve_time_s,
+            "search_time_s": time.perf_counter() - t0, "decisions": len(dec.items),
+            "ilp_decisions": len(problem.node_cost), "edges": len(problem.edges)}
+    return assemble_plan(captured, cluster, chosen, options.strategy_name(),
+                         solution.objective, solution.memory, info)

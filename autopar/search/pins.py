@@ -1,0 +1,102 @@
+"""Search options and the pins they put on placeholder placements.
+
+`strategy` names a role per mesh axis ("dp", "fsdp", "tp", "auto"); one name applies to
+every axis. A role pins only what defines it and leaves the rest to the ILP:
+
+    dp    user inputs Shard(0) (batch) on the axis; parameters Replicate
+    fsdp  user inputs Shard(0); parameters Shard(0) (ZeRO-3: stored sharded, gathered for use)
+    tp    user inputs Replicate; every parameter of 2+ dims sharded on the axis (which dim,
+          column or row, is the ILP's choice)
+    auto  nothing pinned
+
+`placements` pins single parameters (or inputs) by name: {"lm_head.weight": "S(0),R"}.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+
+from autopar.capture import Captured
+from autopar.passes.strategies import NodeStrategy
+from autopar.plan import parse_spec, spec_str
+
+ROLES = ("auto", "dp", "fsdp", "tp")
+
+
+@dataclass(frozen=True, slots=True)
+class SearchOptions:
+    strategy: str | tuple[str, ...] = "auto"
+    placements: dict[str, str] = field(default_factory=dict)
+    memory_limit: float | None = None
+    time_limit_s: float = 30.0
+    share_layers: bool = True
+    optimizer_states: int = 2
+
+    def roles(self, ndim: int) -> tuple[str, ...]:
+        roles = (self.strategy,) * ndim if isinstance(self.strategy, str) else tuple(self.strategy)
+        if len(roles) != ndim:
+            raise ValueError(f"strategy={self.strategy!r} names {len(roles)} axis roles but the "
+                             f"mesh has {ndim} axes; give one role per axis or a single role")
+        for r in roles:
+            if r not in ROLES:
+                raise ValueError(f"unknown strategy '{r}'; choose from {', '.join(ROLES)}")
+        return roles
+
+    def strategy_name(self) -> str:
+        return self.strategy if isinstance(self.strategy, str) else "x".join(self.strategy)
+
+
+def apply_pins(captured: Captured, strats: dict[fx.Node, list[NodeStrategy]],
+               options: SearchOptions, mesh: DeviceMesh) -> dict[fx.Node, list[NodeStrategy]]:
+    roles = options.roles(mesh.ndim)
+    names = {**captured.params, **captured.buffers, **{n: n for n in captured.user_inputs}}
+    unknown = set(options.placements) - set(names.values())
+    if unknown:
+        raise ValueError(f"placements= names {sorted(unknown)}, which the model does not have; "
+                         f"known names: {sorted(names.values())[:8]}...")
+    out = dict(strats)
+    for n in captured.placeholders():
+        if n not in strats:
+            continue
+        role = n.meta.get("autopar_role")
+        fqn = names.get(n.name, n.name)
+        allowed = [s for s in strats[n] if _allowed(s.outputs[0], role, roles, n)]
+        if fqn in options.placements:
+            want = parse_spec(options.placements[fqn])
+            allowed = [s for s in strats[n] if tuple(s.outputs[0]) == tuple(want)]
+        if not allowed:
+            choices = sorted({spec_str(s.outputs[0]) for s in strats[n]})
+            raise ValueError(f"no placement of '{fqn}' (shape {tuple(n.meta['val'].shape)}) "
+                             f"satisfies strategy={options.strategy!r} / placements=; "
+                             f"possible placements: {choices}")
+        out[n] = allowed
+    return out
+
+
+def _allowed(spec: Sequence, role: str | None, roles: tuple[str, ...], n: fx.Node) -> bool:
+    val = n.meta.get("val")
+    ndim = val.ndim if isinstance(val, torch.Tensor) else 0
+    for p, axis_role in zip(spec, roles, strict=True):
+        if role == "input":
+            if axis_role in ("dp", "fsdp") and p != Shard(0):
+                return False
+            if axis_role == "tp" and p != Replicate():
+                return False
+        elif role == "param":
+            if axis_role == "dp" and p != Replicate():
+                return False
+            if axis_role == "fsdp" and p != Shard(0) and _divisible(val, 0, spec, n):
+                return False
+            if axis_role == "tp" and ndim >= 2 and not isinstance(p, Shard):
+                return False
+    return True
+
+
+def _divisible(val, dim: int, spec, n) -> bool:
+    return isinstance(val, torch.Tensor) and val.ndim > dim and val.shape[dim] > 1

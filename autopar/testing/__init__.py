@@ -1,0 +1,1 @@
+"""Test and demo helpers shipped with autopar (parity against single-device training)."""

@@ -1,0 +1,251 @@
+"""Cost models: alpha-beta collectives, redistribution steps/bytes, FLOPs, memory."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.fx import Graph
+
+from autopar._compat import MaskPartial
+from autopar.cluster import Cluster
+from autopar.cost_models import comm, compute, memory
+from autopar.cost_models.comm import Collective, collective_time, redistribute_time
+
+S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial()
+KINDS = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
+
+
+@pytest.fixture(scope="module")
+def h100() -> Cluster:
+    return Cluster.preset("dgx-h100", nodes=2, mesh=(2, 8), axis_names=("dp", "tp"))
+
+
+# --------------------------------------------------------------------------- collectives
+@pytest.mark.parametrize("kind", KINDS)
+def test_collective_monotonic_and_free_on_size1(kind: str, h100: Cluster) -> None:
+    times = [collective_time(kind, b, "tp", h100) for b in (0, 1e3, 1e6, 1e9)]
+    assert times[0] == 0.0
+    assert times == sorted(times) and len(set(times)) == 4
+    # The inter-node axis is slower than NVLink for the same bytes (once bandwidth dominates).
+    assert collective_time(kind, 1e9, "dp", h100) > collective_time(kind, 1e9, "tp", h100)
+    one = Cluster.preset("dgx-h100", mesh=(1, 8), axis_names=("x", "tp"))
+    assert collective_time(kind, 1e9, "x", one) == 0.0
+
+
+def test_collective_formulas(h100: Cluster) -> None:
+    link, n, b = h100.link("tp"), 8, 64e6
+    assert collective_time("all_gather", b, 1, h100) == pytest.approx(
+        (n - 1) * link.latency + (n - 1) / n * b / link.bandwidth
+    )
+    assert collective_time(Collective.ALL_TO_ALL, b, 1, h100) == pytest.approx(
+        (n - 1) * link.latency + (n - 1) / n**2 * b / link.bandwidth
+    )
+    for axis in ("dp", "tp"):
+        ar = collective_time("all_reduce", b, axis, h100)
+        rs_ag = collective_time("reduce_scatter", b, axis, h100) + collective_time(
+            "all_gather", b, axis, h100
+        )
+        assert ar == pytest.approx(rs_ag, rel=1e-12)
+    assert comm.send_recv_time(1e6, link) == pytest.approx(link.latency + 1e6 / link.bandwidth)
+    assert comm.send_recv_time(0, link) == 0.0
+    with pytest.raises(ValueError, match="unknown collective 'broadcast'"):
+        collective_time("broadcast", 1.0, 0, h100)
+
+
+# --------------------------------------------------------------------------- redistribution
+def test_redistribute_matches_single_collectives(h100: Cluster) -> None:
+    shape, item = (64, 1024), 2
+    full = 64 * 1024 * item
+    assert redistribute_time((S0, R), (R, R), shape, item, h100) == pytest.approx(
+        collective_time("all_gather", full, 0, h100)
+    )
+    assert redistribute_time((R, P), (R, R), shape, item, h100) == pytest.approx(
+        collective_time("all_reduce", full, 1, h100)
+    )
+    assert redistribute_time((R, P), (R, S1), shape, item, h100) == pytest.approx(
+        collective_time("reduce_scatter", full, 1, h100)
+    )
+    assert redistribute_time((R, S0), (R, S1), shape, item, h100) == pytest.approx(
+        collective_time("all_to_all", full, 1, h100)
+    )
+    # MaskPartial (vocab-parallel embedding) reduces like a Partial.
+    assert redistribute_time((R, MaskPartial()), (R, R), shape, item, h100) == pytest.approx(
+        collective_time("all_reduce", full, 1, h100)
+    )
+    for spec in [(R, R), (S0, S1), (P, R)]:
+        assert redistribute_time(spec, spec, shape, item, h100) == 0.0
+    assert redistribute_time((R, R), (S0, P), shape, item, h100) == 0.0  # local only
+
+
+def test_redistribute_bytes_use_local_shape(h100: Cluster) -> None:
+    shape, item = (64, 1024), 4
+    # Gather over dp while tp still shards dim 1: the dp groups move 64 x 128 elements.
+    t = redistribute_time((S0, S1), (R, S1), shape, item, h100)
+    assert t == pytest.approx(collective_time("all_gather", 64 * 128 * item, "dp", h100))
+    # Reduce over tp while dp shards dim 0: 32 x 1024 elements; uneven dims round up.
+    t = redistribute_time((S0, P), (S0, R), (63, 1024), item, h100)
+    assert t == pytest.approx(collective_time("all_reduce", 32 * 1024 * item, "tp", h100))
+    # Both axes: DTensor goes inner first (tp on 32 x 1024), then dp on the full tensor.
+    t = redistribute_time((S0, P), (R, R), shape, item, h100)
+    expected = collective_time("all_reduce", 32 * 1024 * item, "tp", h100) + collective_time(
+        "all_gather", 64 * 1024 * item, "dp", h100
+    )
+    assert t == pytest.approx(expected)
+    # (S0, R) -> (R, S1): the local slice on tp happens first, so dp gathers 64 x 128.
+    t = redistribute_time((S0, R), (R, S1), shape, item, h100)
+    assert t == pytest.approx(collective_time("all_gather", 64 * 128 * item, "dp", h100))
+
+
+def test_redistribute_steps() -> None:
+    assert comm.redistribute_steps((S0, R), (R, R)) == [(0, Collective.ALL_GATHER)]
+    assert comm.redistribute_steps((P, S0), (R, S1)) == [(1, "all_to_all"), (0, "all_reduce")]
+    # S1 on the outer axis would nest the inner S1: DTensor unshards the inner axis first.
+    assert comm.redistribute_steps((P, S0), (S1, S1), include_local=True) == [
+        (1, "all_gather"),
+        (0, "reduce_scatter"),
+        (1, "local"),
+    ]
+    assert comm.redistribute_steps((R, R), (S0, P)) == []
+    assert comm.redistribute_steps((R, R), (S0, P), include_local=True) == [
+        (0, "local"),
+        (1, "local"),
+    ]
+    # Nested sharding: (S0, S0) -> (R, S0) must unshard the inner axis first.
+    assert comm.redistribute_steps((S0, S0), (R, S0)) == [(1, "all_gather"), (0, "all_gather")]
+    with pytest.raises(ValueError, match="cannot redistribute"):
+        comm.redistribute_steps((S0,), (P,))
+    with pytest.raises(ValueError, match="different mesh ranks"):
+        comm.redistribute_steps((S0,), (R, R))
+
+
+def test_unsupported_transition_is_infinite(h100: Cluster) -> None:
+    assert redistribute_time((S0, R), (P, R), (8, 8), 4, h100) == math.inf
+    assert redistribute_time((R, P), (R, Partial("max")), (8, 8), 4, h100) == math.inf
+
+
+def test_step_order_matches_dtensor() -> None:
+    """Our step order is DTensor's greedy planner's, for every 2-D and 3-D spec pair."""
+    try:  # private: only this cross-check needs it
+        from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
+    except ImportError:
+        pytest.skip("DTensor's redistribute planner moved")
+    from autopar._compat import DTensorSpec, FakeStore, TensorMeta
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        for mesh_shape, names in [((2, 4), ("a", "b")), ((2, 2, 2), ("a", "b", "c"))]:
+            mesh = Cluster.preset("cpu", mesh=mesh_shape, axis_names=names).device_mesh()
+            meta = TensorMeta(torch.Size((8, 8)), (8, 1), torch.float32)
+            places = [S0, S1, R, P]
+            for src, dst in itertools.product(
+                itertools.product(places, repeat=len(names)), repeat=2
+            ):
+                infos = _gen_transform_infos_non_cached(
+                    DTensorSpec(mesh, src, tensor_meta=meta),
+                    DTensorSpec(mesh, dst, tensor_meta=meta),
+                )
+                theirs = [(i.mesh_dim, *i.src_dst_placements) for i in infos]
+                ours = [(a, c, t) for a, _, c, t in comm._plan(src, dst, mesh_shape)]
+                assert ours == theirs, (src, dst)
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- memory
+def test_local_shape_and_numel() -> None:
+    assert memory.local_shape((10, 6), (S0, R), (4, 2)) == (3, 6)  # ceil(10 / 4)
+    assert memory.local_shape((10, 6), (S0, S0), (2, 2)) == (3, 6)  # nested: 10 -> 5 -> 3
+    assert memory.local_shape((10, 6), (P, Shard(-1)), (2, 3)) == (10, 2)
+    assert memory.local_numel((10, 6), (MaskPartial(), S1), (2, 2)) == 30
+    with pytest.raises(ValueError, match="2 placements for mesh"):
+        memory.local_shape((4,), (S0, R), (2,))
+    with pytest.raises(ValueError, match="shards dim 1 of a 1-D tensor"):
+        memory.local_shape((4,), (S1,), (2,))
+
+
+def test_param_state_bytes() -> None:
+    assert memory.param_state_bytes(1000, 4) == 16000  # param + grad + exp_avg + exp_avg_sq
+    assert memory.param_state_bytes(1000, 2, "sgd") == 4000
+    assert memory.param_state_bytes(1000, 2, "adamw", requires_grad=False) == 2000
+    with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
+        memory.param_state_bytes(1, 4, "lion")
+    assert memory.activation_bytes((8, 16), 2, (S0, R), (4, 2)) == 2 * 16 * 2
+    assert memory.activation_bytes((8, 16), 2, None, (4, 2)) == 8 * 16 * 2
+
+
+# --------------------------------------------------------------------------- compute
+@pytest.fixture(scope="module")
+def linear_graph() -> torch.fx.Graph:
+    ep = torch.export.export(nn.Linear(24, 40), (torch.randn(12, 24),)).run_decompositions()
+    return ep.graph
+
+
+def _node(graph: torch.fx.Graph, op) -> torch.fx.Node:
+    return next(n for n in graph.nodes if n.op == "call_function" and n.target == op)
+
+
+def test_addmm_flops_bytes(linear_graph: torch.fx.Graph) -> None:
+    aten = torch.ops.aten
+    addmm = _node(linear_graph, aten.addmm.default)
+    m, k, n = 12, 24, 40
+    assert compute.node_flops(addmm) == 2 * m * n * k
+    assert compute.node_bytes(addmm) == 4 * (n + m * k + k * n + m * n)
+    assert compute.backward_factor(addmm) == 2.0
+    permute = _node(linear_graph, aten.permute.default)
+    assert compute.node_flops(permute) == 0 and compute.node_bytes(permute) == 0
+    assert compute.backward_factor(permute) == 1.0
+    placeholder = next(iter(linear_graph.nodes))
+    assert compute.node_flops(placeholder) == 0 and compute.node_bytes(placeholder) == 0
+
+
+def _meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _one_op(op, *vals: torch.Tensor, **kwargs) -> torch.fx.Node:
+    """A one-op graph whose inputs carry (meta tensor) ``meta["val"]``, like capture's."""
+    g = Graph()
+    ins = []
+    for i, v in enumerate(vals):
+        ph = g.placeholder(f"x{i}")
+        ph.meta["val"] = v
+        ins.append(ph)
+    node = g.call_function(op, tuple(ins), kwargs)
+    node.meta["val"] = op(*vals, **kwargs)
+    return node
+
+
+def test_sdpa_and_elementwise_flops() -> None:
+    aten = torch.ops.aten
+    b, h, t, d = 2, 4, 16, 8
+    q = _meta(b, h, t, d)
+    full = _one_op(aten.scaled_dot_product_attention.default, q, q, q)
+    assert compute.node_flops(full) == 4 * b * h * t * t * d
+    causal = _one_op(aten.scaled_dot_product_attention.default, q, q, q, is_causal=True)
+    assert compute.node_flops(causal) == 2 * b * h * t * t * d
+    assert compute.backward_factor(full) == 2.5
+    assert compute.node_dtype(full) == torch.bfloat16
+    relu = _one_op(aten.relu.default, _meta(3, 5))
+    assert compute.node_flops(relu) == 15 and compute.node_bytes(relu) == 2 * 30
+    red = _one_op(aten.sum.dim_IntList, _meta(3, 5), dim=[1])
+    assert compute.node_flops(red) == 15  # a reduction touches every input element
+    emb = _one_op(aten.embedding.default, _meta(1000, 8), _meta(4, dtype=torch.int64))
+    assert compute.node_bytes(emb) == 4 * 8 * 2 + 4 * 8 + 4 * 8 * 2  # rows read, ids, output
+
+
+def test_compute_time_roofline(h100: Cluster) -> None:
+    peak, bw = 989e12, 3.35e12
+    assert compute.compute_time(1e12, 1e6, "bfloat16", h100) == pytest.approx(1e12 / peak)
+    assert compute.compute_time(1e6, 1e9, torch.bfloat16, h100) == pytest.approx(1e9 / bw)
+    assert compute.compute_time(1e12, 0, "float32", h100) == pytest.approx(1e12 / 67e12)
+    relu = _one_op(torch.ops.aten.relu.default, _meta(1024, 1024, dtype=torch.float32))
+    assert compute.node_time(relu, h100) == pytest.approx(8 * 2**20 / bw)  # read + write
+    assert compute.node_time(relu, h100, fraction=0.5) == pytest.approx(4 * 2**20 / bw)
