@@ -25,11 +25,20 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
 # strategies (autopar/passes/strategies): placeholder dims in DTensor's single-mesh-dim rules,
 # tuple (list-of-tensor) strategies, the vocab-parallel embedding partial, the full-mesh
 # expansion helper used to register autopar rules into DTensor, and the decomposition-based
-# propagation fallback; LocalTensorMode (N ranks in one process) for the strategy tests.
+# propagation fallback; LocalTensorMode (N ranks in one process) for the strategy tests;
+# DTensor's op-strategy modules, whose redistribute-cost hook the enumeration stubs out (it
+# is quadratic in the candidates and the search prices resharding itself).
 # None of these has a public equivalent.
 from torch.distributed._local_tensor import LocalTensorMode  # noqa: F401
 from torch.distributed.tensor._decompositions import DecompShardingStrategy  # noqa: F401
 from torch.distributed.tensor._op_schema import TupleStrategy  # noqa: F401
+from torch.distributed.tensor._ops import (  # noqa: F401
+    _math_ops as dtensor_math_ops,
+    _matrix_ops as dtensor_matrix_ops,
+    _tensor_ops as dtensor_tensor_ops,
+    _view_ops as dtensor_view_ops,
+)
+from torch.distributed.tensor._ops import utils as dtensor_ops_utils  # noqa: F401
 from torch.distributed.tensor._ops.single_dim_strategy import (  # noqa: F401
     _ShardingPlaceholder as ShardingPlaceholder,
 )

@@ -164,7 +164,7 @@ PRESETS: dict[str, _Preset] = {
     # bf16 units: bf16 runs at the fp32 rate.
     "p3.16xlarge": _Preset(
         DeviceSpec("V100-SXM2-16GB", {"float32": 15.7e12, "bfloat16": 15.7e12, "float16": 125e12}, 16 * _GiB, 900e9),
-        Link(150e9, 5e-6), 25e9 / 8, 30e-6, 8, "nccl", "gpu",
+        Link(150e9, 5e-6), 25e9 / 8, 30e-6, 8, "nccl", "gpu",  # 25 Gb/s = 3.125e9 B/s per node
     ),
     # This CPU box with gloo: every axis, inside or across "nodes", gets the same slow link.
     "cpu": _Preset(

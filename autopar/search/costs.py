@@ -133,8 +133,9 @@ class CostContext:
 def _redistribute_cached(cluster: Cluster, src, dst, shape, itemsize) -> float:
     if _same(src, dst):
         return 0.0
-    t = comm.redistribute_time(src, dst, shape, itemsize, cluster)
-    return t if math.isfinite(t) else 1e6
+    if any(b.is_partial() and not a.is_partial() for a, b in zip(src, dst, strict=True)):
+        return math.inf  # DTensor does not redistribute into Partial: forbidden pair
+    return comm.redistribute_time(src, dst, shape, itemsize, cluster)
 
 
 def _same(src, dst) -> bool:

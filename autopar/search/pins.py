@@ -3,10 +3,13 @@
 `strategy` names a role per mesh axis ("dp", "fsdp", "tp", "auto"); one name applies to
 every axis. A role pins only what defines it and leaves the rest to the ILP:
 
-    dp    user inputs Shard(0) (batch) on the axis; parameters Replicate
-    fsdp  user inputs Shard(0); parameters Shard(0) (ZeRO-3: stored sharded, gathered for use)
+    dp    user inputs Shard(0) (batch) on the axis; parameters Replicate; no node computed
+          from the batch is replicated on the axis (else gathering the batch once and
+          computing redundantly would pass for "DP")
+    fsdp  as dp, but parameters Shard(0) (ZeRO-3: stored sharded, gathered for use)
     tp    user inputs Replicate; every parameter of 2+ dims sharded on the axis (which dim,
-          column or row, is the ILP's choice)
+          column or row, is the ILP's choice); every matmul computed from the batch split
+          on the axis
     auto  nothing pinned
 
 `placements` pins single parameters (or inputs) by name: {"lm_head.weight": "S(0),R"}.
@@ -26,6 +29,7 @@ from autopar.capture import Captured
 from autopar.passes.strategies import NodeStrategy
 from autopar.plan import parse_spec, spec_str
 
+aten = torch.ops.aten
 ROLES = ("auto", "dp", "fsdp", "tp")
 
 
@@ -76,7 +80,41 @@ def apply_pins(captured: Captured, strats: dict[fx.Node, list[NodeStrategy]],
                              f"satisfies strategy={options.strategy!r} / placements=; "
                              f"possible placements: {choices}")
         out[n] = allowed
+    _pin_compute(captured, out, roles)
     return out
+
+
+MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+           aten.scaled_dot_product_attention.default}
+
+
+def _pin_compute(captured: Captured, strats: dict[fx.Node, list[NodeStrategy]],
+                 roles: tuple[str, ...]) -> None:
+    """dp/fsdp axes split every batch-derived node; tp axes split every batch-derived matmul."""
+    for n in _batch_derived(captured):
+        if n not in strats or n.op != "call_function":
+            continue
+        for axis, role in enumerate(roles):
+            if role in ("dp", "fsdp") or (role == "tp" and n.target in MATMULS):
+                split = [s for s in strats[n] if _splits(s, axis)]
+                if split:
+                    strats[n] = split
+
+
+def _splits(s: NodeStrategy, axis: int) -> bool:
+    return any(sp is not None and not isinstance(sp[axis], Replicate)
+               for sp in (*s.inputs, *s.outputs))
+
+
+def _batch_derived(captured: Captured) -> list[fx.Node]:
+    seen: set[fx.Node] = set()
+    todo = [n for n in captured.placeholders() if n.name in captured.user_inputs]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.users)
+    return [n for n in captured.gm.graph.nodes if n in seen]
 
 
 def _allowed(spec: Sequence, role: str | None, roles: tuple[str, ...], n: fx.Node) -> bool:

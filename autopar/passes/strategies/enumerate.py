@@ -32,7 +32,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from autopar.passes.strategies.from_dtensor import Candidates, dtensor_strategies
+from autopar.passes.strategies.from_dtensor import (
+    Candidates,
+    dtensor_strategies,
+    no_redistribute_costs,
+)
 from autopar.passes.strategies.rules import get_rule
 from autopar.passes.strategies.spec import (
     NodeStrategy,
@@ -112,10 +116,31 @@ def _op_strategies(
     return _dedup([rep, *found])
 
 
+def _signature(node: fx.Node, table: dict[fx.Node, list[NodeStrategy]]) -> str:
+    """What a node's strategies depend on: op, non-tensor args, input shapes/dtypes and the
+    specs producers offer, output shapes. Repeated layers share signatures."""
+
+    def key(n: fx.Node) -> object:
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return ("value", val)
+        offered = sorted({repr(s.outputs[0]) for s in table.get(n, []) if s.outputs})
+        return ("tensor", tuple(val.shape), val.dtype, tuple(offered))
+
+    outs = [None if v is None else (tuple(v.shape), v.dtype) for v in output_vals(node)]
+    return repr((node.target, fx.node.map_arg((node.args, node.kwargs), key), outs))
+
+
 def node_strategies(
-    node: fx.Node, mesh: DeviceMesh, table: dict[fx.Node, list[NodeStrategy]]
+    node: fx.Node,
+    mesh: DeviceMesh,
+    table: dict[fx.Node, list[NodeStrategy]],
+    memo: dict[str, list[NodeStrategy]] | None = None,
 ) -> list[NodeStrategy] | None:
-    """The strategies of one node given those of the nodes before it (None: no entry)."""
+    """The strategies of one node given those of the nodes before it (None: no entry).
+
+    ``memo`` (signature -> strategies) lets repeated layers reuse one computation.
+    """
     if node.op in ("placeholder", "get_attr"):
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
@@ -127,15 +152,22 @@ def node_strategies(
         return _getitem_strategies(node, table)
     if not any(v is not None for v in output_vals(node)):
         return None
-    return _op_strategies(node, mesh, table)
+    if memo is None:
+        return _op_strategies(node, mesh, table)
+    sig = _signature(node, table)
+    if sig not in memo:
+        memo[sig] = _op_strategies(node, mesh, table)
+    return memo[sig]
 
 
 def enumerate_strategies(gm: fx.GraphModule, mesh: DeviceMesh) -> dict[fx.Node, list[NodeStrategy]]:
     """Candidate strategies per node of ``gm`` (ATen graph with ``meta["val"]``) on ``mesh``."""
     table: dict[fx.Node, list[NodeStrategy]] = {}
-    for node in gm.graph.nodes:
-        found = node_strategies(node, mesh, table)
-        if found is not None:
-            assert found, f"no strategy for {node.format_node()}"
-            table[node] = found
+    memo: dict[str, list[NodeStrategy]] = {}
+    with no_redistribute_costs():
+        for node in gm.graph.nodes:
+            found = node_strategies(node, mesh, table, memo)
+            if found is not None:
+                assert found, f"no strategy for {node.format_node()}"
+                table[node] = found
     return table

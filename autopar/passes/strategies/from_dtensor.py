@@ -22,8 +22,9 @@ strided shards, no avg/max/min partials, even division).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +35,11 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autopar._compat import (
     DecompShardingStrategy,
+    dtensor_math_ops,
+    dtensor_matrix_ops,
+    dtensor_ops_utils,
+    dtensor_tensor_ops,
+    dtensor_view_ops,
     DTensorSpec,
     OpSchema,
     OpSpec,
@@ -54,6 +60,36 @@ from autopar.passes.strategies.spec import (
 
 Candidates = dict[fx.Node, list[Spec]]  # per producer node: the output specs it may have
 MAX_COMBOS = 512
+
+
+_COST_HOOK_MODULES = (
+    dtensor_math_ops,
+    dtensor_matrix_ops,
+    dtensor_ops_utils,
+    dtensor_tensor_ops,
+    dtensor_view_ops,
+)
+
+
+def _zero_costs(src_strategy: OpStrategy, dst_spec: DTensorSpec) -> list[float]:
+    return [0.0] * len(src_strategy.strategies)
+
+
+@contextlib.contextmanager
+def no_redistribute_costs() -> Iterator[None]:
+    """Stub out DTensor's redistribute-cost estimate while enumerating.
+
+    Strategy functions price every (input candidate, strategy) pair, which is quadratic in
+    the candidates and 95% of the time on a 3-D mesh; the search prices resharding itself.
+    """
+    saved = [(m, m.generate_redistribute_costs) for m in _COST_HOOK_MODULES]
+    try:
+        for m, _ in saved:
+            m.generate_redistribute_costs = _zero_costs
+        yield
+    finally:
+        for m, fn in saved:
+            m.generate_redistribute_costs = fn
 
 
 def tensor_meta(val: torch.Tensor) -> TensorMeta:
