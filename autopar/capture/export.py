@@ -77,6 +77,7 @@ def capture(model: nn.Module, args: Sequence, loss_fn: Callable | None = None) -
     _check_scalar_loss(ep)
     captured = _roles(ep, root)
     _merge_tied(captured, root)
+    _drop_asserts(captured.gm)
     if loss_fn is not None:
         _strip_prefix(captured, "model.")
     captured.fingerprint = graph_fingerprint(captured)
@@ -171,6 +172,18 @@ def _merge_tied(captured: Captured, root: nn.Module) -> None:
         del captured.params[ph_name]
     captured.gm.graph.lint()
     captured.gm.recompile()
+
+
+ASSERT_OPS = (aten._assert_tensor_metadata.default, aten._assert_scalar.default,
+              aten.sym_constrain_range_for_size.default)
+
+
+def _drop_asserts(gm: fx.GraphModule) -> None:
+    """Export's metadata assertions check the traced (global) shapes: meaningless per shard."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in ASSERT_OPS and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
 
 
 def _strip_prefix(captured: Captured, prefix: str) -> None:

@@ -77,8 +77,9 @@ class PlacedInterpreter(fx.Interpreter):
         for i, want in zip(tensor_positions, wanted, strict=False):
             flat[i] = self._place(flat[i], parse_spec(want), has_dtensor)
         args, kwargs = tree_unflatten(flat, spec)
-        with self._annotate(n):
-            out = n.target(*args, **kwargs)
+        if n.target in VIEWS:
+            args = (_contiguous_local(args[0]), *args[1:])
+        out = n.target(*args, **kwargs)
         return self._check_output(n, out, node_plan)
 
     def _place(self, value: torch.Tensor, want, has_dtensor: bool) -> torch.Tensor:
@@ -104,11 +105,18 @@ class PlacedInterpreter(fx.Interpreter):
                 out = out.redistribute(self.mesh, want)
         return out
 
-    def _annotate(self, n: fx.Node):
-        return fx.traceback.preserve_node_meta()
-
 
 _getitem = __import__("operator").getitem
+
+VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _contiguous_local(x):
+    """A view of the global tensor need not be a view of a shard (a head-sharded attention
+    output is not contiguous where the global one is): copy the shard only then."""
+    if isinstance(x, DTensor) and not x._local_tensor.is_contiguous():
+        return torch.ops.aten.clone.default(x, memory_format=torch.contiguous_format)
+    return x
 
 
 def _wrap(local: torch.Tensor, spec, shape: Sequence[int], mesh: DeviceMesh) -> DTensor:

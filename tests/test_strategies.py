@@ -1,0 +1,402 @@
+"""Strategy enumeration: coverage on small GPT/MLP graphs, and numerics of the strategies.
+
+Numerical check of a strategy (``_check``): the node's real input values (recorded by
+running the graph) are turned into DTensors with the strategy's input specs on a (2, 2)
+mesh simulated by ``LocalTensorMode`` (4 ranks in one process; a ``Partial`` input holds
+unequal per-rank pieces that sum to the value); the op runs under DTensor; then (1) DTensor
+must put the output where the strategy claims, and (2) the per-rank local outputs, read
+with the *claimed* placements, must equal the unsharded result (atol 1e-5, rtol 1e-4, fp32).
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from autopar._compat import FakeStore, LocalTensorMode, MaskPartial
+from autopar.passes.strategies import (
+    NodeStrategy,
+    Spec,
+    enumerate_strategies,
+    is_valid_spec,
+    tensor_inputs,
+)
+from autopar.passes.strategies.rules import RULES
+from autopar.passes.strategies.rules.attention import register_dtensor
+
+aten = torch.ops.aten
+MESH = (2, 2)
+ATOL, RTOL = 1e-5, 1e-4
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, h: int, kv: int) -> None:
+        super().__init__()
+        self.h, self.kv = h, kv
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.q, self.kvp = nn.Linear(d, d), nn.Linear(d, 2 * d * kv // h)
+        self.proj, self.fc, self.fc2 = nn.Linear(d, d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        y = self.ln1(x)
+        k, v = self.kvp(y).split(C * self.kv // self.h, dim=2)
+        q = self.q(y).view(B, T, self.h, -1).transpose(1, 2)
+        k, v = (t.view(B, T, self.kv, -1).transpose(1, 2) for t in (k, v))
+        gqa = self.kv != self.h
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.fc2(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int = 64, d: int = 32, h: int = 4, kv: int = 4, t: int = 16):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(t, d)
+        self.block, self.ln = Block(d, h, kv), nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        logits = self.head(self.ln(self.block(x)))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), tgt.view(-1))
+
+
+class TinyLlama(nn.Module):
+    """RMSNorm, rotary embedding, GQA by repeating k/v heads, SwiGLU: Llama's op mix."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, h: int = 4, kv: int = 2, t: int = 16):
+        super().__init__()
+        self.h, self.kv = h, kv
+        self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab, bias=False)
+        self.wq, self.wkv = nn.Linear(d, d, bias=False), nn.Linear(d, 2 * d * kv // h, bias=False)
+        self.w1, self.w3 = nn.Linear(d, 2 * d, bias=False), nn.Linear(d, 2 * d, bias=False)
+        self.w2, self.norm = nn.Linear(2 * d, d, bias=False), nn.Parameter(torch.rand(d))
+        angle = torch.arange(t)[:, None] * torch.arange(d // h)[None] / t
+        self.register_buffer("cos", angle.cos())
+        self.register_buffer("sin", angle.sin())
+
+    def rms(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.norm
+
+    def rope(self, x: torch.Tensor, T: int) -> torch.Tensor:
+        x1, x2 = x.chunk(2, -1)
+        return x * self.cos[:T] + torch.cat((-x2, x1), -1) * self.sin[:T]
+
+    def forward(self, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        (B, T), h, kv = idx.shape, self.h, self.kv
+        x = self.emb(idx)
+        y = self.rms(x)
+        q = self.wq(y).view(B, T, h, -1).transpose(1, 2)
+        k, v = self.wkv(y).view(B, T, 2 * kv, -1).transpose(1, 2).chunk(2, 1)
+        k, v = (t[:, :, None].expand(B, kv, h // kv, T, -1).reshape(B, h, T, -1) for t in (k, v))
+        y = F.scaled_dot_product_attention(self.rope(q, T), self.rope(k, T), v, is_causal=True)
+        x = x + y.transpose(1, 2).reshape(B, T, -1)
+        x = x + self.w2(F.silu(self.w1(self.rms(x))) * self.w3(self.rms(x)))
+        logits = self.head(self.rms(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), tgt.view(-1))
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(16, 64), nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.l2(torch.relu(self.l1(x))), y)
+
+
+def export(model: nn.Module, args: tuple) -> torch.export.ExportedProgram:
+    """As the capture stage does: core ATen, sdpa and nll_loss_forward kept whole."""
+    ep = torch.export.export(model, args, strict=False)
+    table = torch.export.default_decompositions()
+    del table[aten.scaled_dot_product_attention.default]
+    table.pop(aten.nll_loss_forward.default, None)
+    return ep.run_decompositions(table)
+
+
+def gpt_args() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, 64, (4, 16), generator=gen), torch.randint(0, 64, (4, 16), generator=gen)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    yield init_device_mesh("cpu", MESH)
+    dist.destroy_process_group()
+
+
+class Case:
+    """A graph, its strategies, and every node's real value on the example inputs."""
+
+    def __init__(self, model: nn.Module, args: tuple, mesh: DeviceMesh) -> None:
+        ep = export(model, args)
+        self.gm = ep.graph_module
+        self.table = enumerate_strategies(self.gm, mesh)
+        self.env: dict[fx.Node, object] = {}
+        sig, state = ep.graph_signature, model.state_dict()
+        named = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
+        user = iter(args)
+        flat = [
+            state[named[n.name]].detach() if n.name in named else next(user)
+            for n in self.gm.graph.nodes
+            if n.op == "placeholder"
+        ]
+        with torch.no_grad():
+            _Recorder(self.gm, self.env).run(*flat)
+
+    def first(self, name: str) -> fx.Node:
+        return next(
+            n
+            for n in self.table
+            if n.op == "call_function" and n.target.__name__.split(".")[0] == name
+        )
+
+
+class _Recorder(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, env: dict) -> None:
+        super().__init__(gm)
+        self.values = env
+
+    def run_node(self, n: fx.Node) -> object:
+        out = super().run_node(n)
+        self.values[n] = out
+        return out
+
+
+@pytest.fixture(scope="module")
+def gpt(mesh) -> Case:
+    return Case(TinyGPT(), gpt_args(), mesh)
+
+
+@pytest.fixture(scope="module")
+def gqa(mesh) -> Case:
+    return Case(TinyGPT(kv=2), gpt_args(), mesh)
+
+
+@pytest.fixture(scope="module")
+def llama(mesh) -> Case:
+    return Case(TinyLlama(), gpt_args(), mesh)
+
+
+@pytest.fixture(scope="module")
+def mlp(mesh) -> Case:
+    gen = torch.Generator().manual_seed(0)
+    return Case(MLP(), (torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)), mesh)
+
+
+# ---------------------------------------------------------------- (a) coverage and shape
+
+
+@pytest.mark.parametrize("case", ["gpt", "gqa", "llama", "mlp"])
+def test_every_node_has_strategies(case: str, request) -> None:
+    c: Case = request.getfixturevalue(case)
+    rep = (Replicate(),) * len(MESH)
+    for node in c.gm.graph.nodes:
+        if node.op in ("placeholder", "call_function"):
+            assert c.table.get(node), f"{node.name} has no strategy"
+    for node, strategies in c.table.items():
+        for s in strategies:
+            assert len(s.inputs) == len(tensor_inputs(node)), (node.name, str(s))
+            for spec, inp in zip(s.inputs, tensor_inputs(node), strict=True):
+                val = inp.meta["val"]
+                val = val[node.args[1]] if node.target is operator.getitem else val
+                assert spec is None or is_valid_spec(spec, val.shape, MESH)
+        if node.op == "call_function" and node.target is not operator.getitem:
+            first = strategies[0]
+            assert all(x in (None, rep) for x in (*first.inputs, *first.outputs)), node.name
+        if node.target is operator.getitem:
+            producer, index = node.args
+            assert [s.outputs[0] for s in strategies] == [
+                s.outputs[index] for s in c.table[producer]
+            ]
+
+
+def _has(strategies: list[NodeStrategy], ins: tuple, out: Spec) -> bool:
+    return any(s.inputs == ins and s.outputs == (out,) for s in strategies)
+
+
+def test_addmm_column_and_row(gpt: Case, mlp: Case) -> None:
+    R, P = Replicate(), Partial()
+    for case in (gpt, mlp):
+        addmm = [n for n in case.table if n.target is aten.addmm.default]
+        assert addmm
+        for node in addmm:  # addmm(bias, x, permute(W)) = x @ W.T + bias
+            ss = case.table[node]
+            # column parallel: W.T sharded on its output dim, bias too, x replicated
+            assert _has(ss, ((Shard(0), R), (R, R), (Shard(1), R)), (Shard(1), R))
+            # row parallel: contraction dim sharded, Partial output, bias Partial
+            assert _has(ss, ((R, P), (R, Shard(1)), (R, Shard(0))), (R, P))
+            # data parallel on axis 0, column parallel on axis 1
+            assert _has(ss, ((R, Shard(0)), (Shard(0), R), (R, Shard(1))), (Shard(0), Shard(1)))
+
+
+def test_placeholder_storage(gpt: Case) -> None:
+    R = Replicate()
+    weight = next(n for n in gpt.table if n.op == "placeholder" and "fc_weight" in n.name)
+    outs = {s.outputs[0] for s in gpt.table[weight]}
+    assert all(s.inputs == () for s in gpt.table[weight])
+    assert {(R, R), (Shard(0), R), (Shard(1), R), (R, Shard(0)), (Shard(0), Shard(1))} <= outs
+    assert len(outs) == 9  # {R, S(0), S(1)}^2, all divide [128, 32] on (2, 2)
+    idx = next(n for n in gpt.table if n.name == "idx")
+    assert (Shard(1), Shard(1)) in {s.outputs[0] for s in gpt.table[idx]}
+
+
+def test_divisibility_and_gqa_heads(gqa: Case) -> None:
+    # q has 4 heads, k/v 2: heads can be split on one axis of size 2, never on both
+    sdpa = gqa.table[gqa.first("scaled_dot_product_attention")]
+    outs = {s.outputs[0] for s in sdpa}
+    assert (Shard(1), Replicate()) in outs and (Shard(1), Shard(1)) not in outs
+    assert is_valid_spec((Shard(0), Shard(0)), (8,), (2, 2))
+    assert not is_valid_spec((Shard(0), Shard(0)), (6,), (2, 2))  # 6/2 = 3, odd
+    assert not is_valid_spec((Partial("avg"), Replicate()), (4,), (2, 2))
+    assert is_valid_spec((Partial("avg"), Replicate()), (), (2, 2))  # a mean loss
+
+
+def test_str() -> None:
+    s = NodeStrategy(((Shard(0), Replicate()), None, (Replicate(), Partial())), ((Shard(1), Shard(0)),))
+    assert str(s) == "(S(0)R, -, RP) -> S(1)S(0)"
+    two = NodeStrategy(((Replicate(),),), ((Replicate(),), (Shard(0),)))
+    assert str(two) == "(R) -> (R, S(0))"
+
+
+def test_loss_is_data_parallel(gpt: Case) -> None:
+    nll = gpt.table[gpt.first("nll_loss_forward")]
+    assert any(s.outputs[0] == (Partial("avg"), Replicate()) for s in nll)
+
+
+# ---------------------------------------------------------------- (b) numerics
+
+
+def _partial_piece(spec: Spec, mesh: DeviceMesh):
+    """Per-rank weights that sum to 1 over every Partial axis (unequal on purpose)."""
+    coords = dict(zip(mesh.mesh.flatten().tolist(), itertools.product(*map(range, MESH))))
+    axes = [a for a, p in enumerate(spec) if type(p) is Partial and p.reduce_op == "sum"]
+
+    def weight(rank: int, x: torch.Tensor) -> torch.Tensor:
+        w = 1.0
+        for a in axes:
+            n, c = mesh.shape[a], coords[rank][a]
+            w *= (c + 1) / (n * (n + 1) / 2)
+        return x * w
+
+    return weight
+
+
+def _to_dtensor(t: torch.Tensor, spec: Spec, mesh: DeviceMesh, mode: LocalTensorMode) -> DTensor:
+    t = t.detach()
+    # A _MaskPartial input (embedding indices) is made by DTensor itself from Replicate.
+    start = [Replicate() if p.is_partial() else p for p in spec]
+    base = distribute_tensor(t, mesh, start)
+    if not any(p.is_partial() and not isinstance(p, MaskPartial) for p in spec):
+        return base
+    weight, local = _partial_piece(spec, mesh), base.to_local()
+    if hasattr(local, "_local_tensors"):
+        local = mode.tensor_map(local, weight)
+    else:
+        local = mode.rank_map(lambda r: weight(r, base.to_local()))
+    final = [Replicate() if isinstance(p, MaskPartial) else p for p in spec]
+    return DTensor.from_local(local, mesh, final, run_check=False, shape=t.shape, stride=t.stride())
+
+
+def _check(case: Case, node: fx.Node, s: NodeStrategy, mesh: DeviceMesh) -> None:
+    with LocalTensorMode(mesh.size()) as mode:
+        dts = {
+            i: _to_dtensor(case.env[i], spec, mesh, mode)
+            for i, spec in zip(tensor_inputs(node), s.inputs, strict=True)
+            if spec is not None
+        }
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: dts.get(n, case.env[n]))
+        out = node.target(*args, **kwargs)
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        refs = case.env[node]
+        refs = list(refs) if isinstance(refs, (tuple, list)) else [refs]
+        for o, ref, claim in zip(outs, refs, s.outputs, strict=True):
+            if claim is not None:
+                full = _claimed_full(o, claim, ref, mesh, f"{node.name} {s}")
+                torch.testing.assert_close(full.float(), ref.float(), atol=ATOL, rtol=RTOL)
+
+
+def _claimed_full(o: torch.Tensor, claim: Spec, ref: torch.Tensor, mesh, msg: str) -> torch.Tensor:
+    """The full value of ``o``'s per-rank pieces read with the claimed placements."""
+    if not isinstance(o, DTensor):  # an op without tensor inputs (arange) runs unsharded
+        assert all(isinstance(p, Replicate) for p in claim), msg
+        return o
+    msg += f": DTensor gives {o.placements}"
+    if any(isinstance(p, MaskPartial) for p in claim):  # reduced by DTensor's own mask
+        assert [isinstance(p, MaskPartial) for p in o.placements] == [
+            isinstance(p, MaskPartial) for p in claim
+        ], msg
+        return o.full_tensor()
+    assert tuple(o.placements) == claim, msg
+    local = o.to_local()
+    return DTensor.from_local(local, mesh, claim, shape=ref.shape, stride=ref.stride()).full_tensor()
+
+
+OPS = {
+    "gpt": [
+        "embedding", "add", "native_layer_norm", "view", "permute", "addmm",
+        "split_with_sizes", "gelu", "mm", "_log_softmax", "nll_loss_forward", "arange",
+    ],
+    "llama": [
+        "pow", "mean", "rsqrt", "mul", "slice", "neg", "cat", "split", "unsqueeze", "expand",
+        "clone", "_unsafe_view", "sigmoid",
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("case", "op"), [(case, op) for case, ops in OPS.items() for op in ops], ids="-".join
+)
+def test_dtensor_strategies_numerically(case: str, op: str, mesh: DeviceMesh, request) -> None:
+    """Every strategy of the first node of each op kind (DTensor-derived strategies)."""
+    c: Case = request.getfixturevalue(case)
+    node = c.first(op)
+    for s in c.table[node]:
+        _check(c, node, s, mesh)
+
+
+@pytest.mark.parametrize("op", sorted(str(op) for op in RULES))
+def test_autopar_rules_numerically(mesh: DeviceMesh, op: str, request) -> None:
+    """Every strategy of every autopar rule, on MHA, enable_gqa and repeated-kv attention."""
+    for case in map(request.getfixturevalue, ("gpt", "gqa", "llama")):
+        nodes = [n for n in case.table if str(n.target) == op]
+        assert nodes
+        for s in case.table[nodes[0]]:
+            _check(case, nodes[0], s, mesh)
+
+
+# ---------------------------------------------------------------- (c) CPU flash attention
+
+
+@pytest.mark.parametrize(
+    "placements",
+    [(Shard(0), Replicate()), (Replicate(), Shard(1)), (Shard(0), Shard(1)), (Shard(1), Shard(1))],
+    ids=str,
+)
+def test_flash_cpu_forward_backward(mesh: DeviceMesh, placements: tuple) -> None:
+    register_dtensor()  # idempotent: a second registration changes nothing
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, w = (torch.randn(4, 4, 8, 16, generator=gen) for _ in range(4))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*full, is_causal=True)
+    (ref * w).sum().backward()
+    with LocalTensorMode(mesh.size()):
+        dq, dk, dv = (distribute_tensor(t, mesh, placements).requires_grad_() for t in (q, k, v))
+        out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
+        assert tuple(out.placements) == placements
+        (out * distribute_tensor(w, mesh, placements)).sum().backward()
+        torch.testing.assert_close(out.full_tensor(), ref.detach(), atol=ATOL, rtol=RTOL)
+        for d, t in zip((dq, dk, dv), full, strict=True):
+            assert tuple(d.grad.placements) == placements
+            torch.testing.assert_close(d.grad.full_tensor(), t.grad, atol=ATOL, rtol=RTOL)
