@@ -35,11 +35,6 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autopar._compat import (
     DecompShardingStrategy,
-    dtensor_math_ops,
-    dtensor_matrix_ops,
-    dtensor_ops_utils,
-    dtensor_tensor_ops,
-    dtensor_view_ops,
     DTensorSpec,
     OpSchema,
     OpSpec,
@@ -47,6 +42,11 @@ from autopar._compat import (
     ShardingPlaceholder,
     TensorMeta,
     TupleStrategy,
+    dtensor_math_ops,
+    dtensor_matrix_ops,
+    dtensor_ops_utils,
+    dtensor_tensor_ops,
+    dtensor_view_ops,
     sharding_propagator,
 )
 from autopar.passes.strategies.spec import (
@@ -118,14 +118,19 @@ def _map_args(node: fx.Node, fn: Callable[[fx.Node], Any]) -> tuple[tuple, dict]
 
 
 def _node_shapes(node: fx.Node) -> tuple[list[Sequence[int] | None], list[Sequence[int] | None]]:
-    ins = [i.meta["val"].shape if isinstance(i.meta.get("val"), torch.Tensor) else None
-           for i in tensor_inputs(node)]
+    ins = [
+        i.meta["val"].shape if isinstance(i.meta.get("val"), torch.Tensor) else None
+        for i in tensor_inputs(node)
+    ]
     outs = [None if v is None else v.shape for v in output_vals(node)]
     return ins, outs
 
 
 def make_strategy(
-    node: fx.Node, inputs: Sequence[Spec | None], outputs: Sequence[Spec | None], mesh_shape
+    node: fx.Node,
+    inputs: Sequence[Spec | None],
+    outputs: Sequence[Spec | None],
+    mesh_shape: Sequence[int],
 ) -> NodeStrategy | None:
     """A NodeStrategy if every spec is valid for its operand's shape, else None."""
     in_shapes, out_shapes = _node_shapes(node)
@@ -216,9 +221,7 @@ def _op_specs(node: fx.Node, mesh: DeviceMesh, func: Callable, cands: Candidates
         pass
     inputs = list(dict.fromkeys(cands))
     found: list[OpSpec] = []
-    for combo in itertools.islice(
-        itertools.product(*(cands[i] for i in inputs)), MAX_COMBOS
-    ):
+    for combo in itertools.islice(itertools.product(*(cands[i] for i in inputs)), MAX_COMBOS):
         single = {i: [spec] for i, spec in zip(inputs, combo, strict=True)}
         try:
             found.extend(_call_op_strategy(node, mesh, func, single))

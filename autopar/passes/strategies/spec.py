@@ -102,9 +102,7 @@ def _mask_partial_ok(spec: Spec, ndim: int) -> bool:
         return True
     if len(axes) > 1:
         return False
-    return all(
-        not isinstance(p, Shard) or p.dim == ndim - 1 for p in spec[axes[0] + 1 :]
-    )
+    return all(not isinstance(p, Shard) or p.dim == ndim - 1 for p in spec[axes[0] + 1 :])
 
 
 def replicate_spec(ndim: int) -> Spec:
