@@ -3,7 +3,9 @@
 node cost  = roofline(flops * (1 + backward_factor) / split, bytes * (2) / split) where
              `split` = product of the sizes of the mesh axes on which the strategy divides the
              work (some input or output Shard or Partial on that axis).
-edge cost  = redistribute(producer output -> consumer input)
+edge cost  = redistribute(producer output -> consumer input), plus one link latency per
+             collective for its launch and synchronization (why DDP's one all-reduce
+             beats FSDP's all-gather + reduce-scatter of the same volume when both fit)
            + redistribute(gradient at consumer input -> gradient placement at producer):
              the gradient of an input the consumer takes Replicate on an axis where its work
              is split is Partial there; a Partial forward output receives a Replicate grad.
@@ -135,7 +137,12 @@ def _redistribute_cached(cluster: Cluster, src, dst, shape, itemsize) -> float:
         return 0.0
     if any(b.is_partial() and not a.is_partial() for a, b in zip(src, dst, strict=True)):
         return math.inf  # DTensor does not redistribute into Partial: forbidden pair
-    return comm.redistribute_time(src, dst, shape, itemsize, cluster)
+    # a Partial of another kind (the embedding's masked sum) is kept as it is by lowering
+    src = tuple(b if a.is_partial() and b.is_partial() else a for a, b in zip(src, dst,
+                                                                               strict=True))
+    launches = sum(cluster.links[axis].latency for axis, _ in comm.redistribute_steps(
+        src, dst, cluster.mesh_shape))
+    return comm.redistribute_time(src, dst, shape, itemsize, cluster) + launches
 
 
 def _same(src, dst) -> bool:
