@@ -318,7 +318,7 @@ def header_table(plan: Plan) -> Table:
         "links": ", ".join(f"{n}: {lk}" for n, lk in zip(plan.axis_names, cluster.links,
                                                          strict=True)),
         "step time": f"{plan.predicted_step_time * 1e3:.3f} ms (predicted)",
-        "peak memory": f"{peak / _GiB:.3f} GiB per device (predicted, "
+        "peak memory": f"{fmt_bytes(peak)} per device (predicted, "
                        f"{100 * peak / cluster.device.memory_bytes:.1f}% of "
                        f"{cluster.device.memory_bytes / _GiB:.0f} GiB)",
         "parameters": f"{len(params)} tensors, {numel / 1e6:.2f} M elements; "

@@ -2,7 +2,8 @@
 
 A plan is JSON, never code: a schema version, the fingerprint of the graph it was made for,
 the cluster, and per node the placements its inputs must have and its outputs will have
-(one placement per mesh axis, written DTensor-style: `S(0)`, `R`, `P`). Parameters carry
+(one placement per mesh axis, written DTensor-style: `S(0)`, `R`, `P` (sum), `P(avg)`,
+`MP` (the masked sum of a vocab-parallel embedding)). Parameters carry
 their storage placement (what each rank keeps between steps: `R` = replicated (DP), `S(d)`
 on a data axis = ZeRO-3/FSDP, `S(d)` on a tensor axis = Megatron TP).
 `content_hash` covers everything but itself; every rank compares it with rank 0's before
@@ -30,15 +31,19 @@ def placement_str(p: Placement) -> str:
     if isinstance(p, Replicate):
         return "R"
     if p.is_partial():
-        return "P"
+        if type(p).__name__ == "_MaskPartial":
+            return "MP"  # vocab-parallel embedding's masked sum (rebuilt by DTensor itself)
+        return "P" if getattr(p, "reduce_op", "sum") == "sum" else f"P({p.reduce_op})"
     raise ValueError(f"placement {p!r} has no plan encoding")
 
 
 def parse_placement(text: str) -> Placement:
     if text == "R":
         return Replicate()
-    if text == "P":
+    if text in ("P", "MP"):
         return Partial("sum")
+    if text.startswith("P(") and text.endswith(")"):
+        return Partial(text[2:-1])
     if text.startswith("S(") and text.endswith(")"):
         return Shard(int(text[2:-1]))
     raise ValueError(f"'{text}' is not a placement (expected R, P or S(dim))")

@@ -1,7 +1,7 @@
 """Human views of a plan: `describe()` (JSON-able) and `summary()` (text).
 
 Axis roles are derived from placements, never stored: on each mesh axis,
-- user inputs sharded on the batch dim and parameters replicated    -> "dp"
+- all user inputs sharded on the batch dim, parameters replicated    -> "dp"
 - user inputs sharded on the batch dim and parameters mostly sharded -> "fsdp"
 - user inputs replicated and parameters sharded                      -> "tp"
   (+ "sp" when activations are sharded on the sequence dim there)
@@ -21,7 +21,7 @@ def axis_roles(plan: Plan) -> list[str]:
     inputs = [t for t in plan.tensors if t.kind == "input"]
     params = [t for t in plan.tensors if t.kind == "param"]
     for axis in range(len(plan.mesh_shape)):
-        batch = any(parse_spec(t.spec)[axis] == Shard(0) for t in inputs)
+        batch = bool(inputs) and all(parse_spec(t.spec)[axis] == Shard(0) for t in inputs)
         sharded = sum(_numel(t.shape) for t in params if isinstance(parse_spec(t.spec)[axis], Shard))
         total = sum(_numel(t.shape) for t in params) or 1
         if batch:

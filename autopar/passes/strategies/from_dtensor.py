@@ -17,7 +17,10 @@ Three sources, tried in this order by :func:`dtensor_strategies`:
    DTensor traces the op's decomposition once per single-axis input placement.
 
 Every result is filtered by :func:`~autopar.passes.strategies.spec.is_valid_spec` (no
-strided shards, no avg/max/min partials, even division).
+strided shards, no max/min partials, avg only on 0-d tensors, even division). Strategy
+functions also price every (candidate, strategy) pair with DTensor's redistribute-cost
+model, quadratic in the candidates; :func:`no_redistribute_costs` stubs that out while
+enumerating (the search prices resharding with autopar's own cost model).
 """
 
 from __future__ import annotations
