@@ -1,11 +1,11 @@
 """Human views of a plan: `describe()` (JSON-able) and `summary()` (text).
 
 Axis roles are derived from placements, never stored: on each mesh axis,
-- all user inputs sharded on the batch dim, parameters replicated    -> "dp"
-- user inputs sharded on the batch dim and parameters mostly sharded -> "fsdp"
-- user inputs replicated and parameters sharded                      -> "tp"
-  (+ "sp" when activations are sharded on the sequence dim there)
-- nothing sharded                                                    -> "replicated"
+- most matmuls split over tokens (output Shard(0)), parameters stored replicated -> "dp"
+- the same with most parameter bytes stored sharded (gathered for use)          -> "fsdp"
+- matmuls split over features (output Shard(1) or Partial: column/row parallel) -> "tp"
+  (+ "sp" when norms run sharded on the sequence dim there)
+- nothing split                                                                 -> "replicated"
 """
 
 from __future__ import annotations
@@ -17,20 +17,25 @@ from torch.distributed.tensor import Shard
 
 
 def axis_roles(plan: Plan) -> list[str]:
-    roles = []
-    inputs = [t for t in plan.tensors if t.kind == "input"]
+    return [_axis_role(plan, axis) for axis in range(len(plan.mesh_shape))]
+
+
+MATMUL_OPS = ("mm.default", "addmm.default")
+
+
+def _axis_role(plan: Plan, axis: int) -> str:
+    outs = [n.outputs[0].split(",")[axis] for n in plan.nodes
+            if n.op in MATMUL_OPS and n.outputs and n.outputs[0]]
     params = [t for t in plan.tensors if t.kind == "param"]
-    for axis in range(len(plan.mesh_shape)):
-        batch = bool(inputs) and all(parse_spec(t.spec)[axis] == Shard(0) for t in inputs)
-        sharded = sum(_numel(t.shape) for t in params if isinstance(parse_spec(t.spec)[axis], Shard))
-        total = sum(_numel(t.shape) for t in params) or 1
-        if batch:
-            roles.append("fsdp" if sharded > total / 2 else "dp")
-        elif sharded:
-            roles.append("tp+sp" if _seq_sharded(plan, axis) else "tp")
-        else:
-            roles.append("replicated")
-    return roles
+    sharded = sum(_numel(t.shape) for t in params if isinstance(parse_spec(t.spec)[axis], Shard))
+    total = sum(_numel(t.shape) for t in params) or 1
+    data = sum(o == "S(0)" for o in outs)
+    tensor = sum(o not in ("S(0)", "R") for o in outs)
+    if outs and data >= max(tensor, 1) and data * 2 >= len(outs):
+        return "fsdp" if sharded > total / 2 else "dp"
+    if tensor:
+        return "tp+sp" if _seq_sharded(plan, axis) else "tp"
+    return "replicated"
 
 
 def _seq_sharded(plan: Plan, axis: int) -> bool:

@@ -1,0 +1,75 @@
+"""The search rediscovers the plans practitioners write by hand (planning only: fake process
+group, meta-device models, real cluster presets).
+
+- DP when memory is ample and the model small: GPT-2 124M on one DGX-H100 node.
+- ZeRO/FSDP when parameters + gradients + Adam state exceed a device: GPT-2 1.5B
+  (1.56e9 params x 16 B = 25 GB) on 16 GB V100s (p3.16xlarge).
+- Megatron column->row pairing on the fast intra-node axis for a large hidden size:
+  wq/wk/wv and w1/w3 sharded on their output features (Shard(0) of [out, in]), wo and w2 on
+  their input features (Shard(1)), so each attention and MLP block needs one all-reduce
+  forward (and one backward); data parallelism goes across nodes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import autopar
+from autopar.cluster import Cluster
+from autopar.plan_views import axis_roles
+from samples import get_sample
+from samples.llama import Llama, LlamaConfig, example_batch
+
+
+def _meta_sample(name: str, config: str, batch: int):
+    sample = get_sample(name)
+    model = sample.build(config, device="meta")
+    return model, sample.example_batch(model, batch, device="meta")
+
+
+def test_small_model_ample_memory_gives_dp() -> None:
+    model, batch = _meta_sample("gpt", "gpt2-124m", 16)
+    plan = autopar.plan(model, batch, cluster=Cluster.preset("dgx-h100", nodes=1))
+    assert axis_roles(plan) == ["dp"]
+    params = [t for t in plan.tensors if t.kind == "param"]
+    replicated = sum(t.spec == "R" for t in params)
+    assert replicated >= len(params) - 1, plan.summary()  # the tied embedding may be sharded
+
+
+def test_states_exceeding_a_device_give_fsdp() -> None:
+    model, batch = _meta_sample("gpt", "gpt2-1.5b", 8)
+    cluster = Cluster.preset("p3.16xlarge", nodes=1)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert n_params * 16 > cluster.device.memory_bytes  # DP cannot fit
+    plan = autopar.plan(model, batch, cluster=cluster)
+    assert axis_roles(plan) == ["fsdp"], plan.summary()
+    assert plan.predicted_peak_memory <= cluster.device.memory_bytes
+    dp = None
+    try:
+        dp = autopar.plan(model, batch, cluster=cluster, strategy="dp")
+    except autopar.MemoryInfeasible:
+        pass
+    assert dp is None, "pure DP should not fit"
+
+
+def test_large_hidden_gives_megatron_pairing_on_the_fast_axis() -> None:
+    cfg = LlamaConfig(vocab_size=32768, max_seq_len=2048, n_layers=4, dim=8192, n_heads=64,
+                      n_kv_heads=64, ffn_hidden_dim=4 * 8192)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    batch = example_batch(cfg, 32, device="meta")
+    cluster = Cluster.preset("dgx-h100", nodes=2, axis_names=("node", "gpu"))
+    plan = autopar.plan(model, batch, cluster=cluster)
+    roles = axis_roles(plan)
+    assert roles[1].startswith("tp") and not roles[0].startswith("tp"), plan.summary()
+    spec = {t.fqn: t.spec.split(",")[1] for t in plan.tensors if t.kind == "param"}
+    for i in range(cfg.n_layers):
+        column = [f"layers.{i}.attention.w{x}.weight" for x in "qkv"]
+        column += [f"layers.{i}.feed_forward.w1.weight", f"layers.{i}.feed_forward.w3.weight"]
+        row = [f"layers.{i}.attention.wo.weight", f"layers.{i}.feed_forward.w2.weight"]
+        assert all(spec[name] == "S(0)" for name in column), {n: spec[n] for n in column}
+        assert all(spec[name] == "S(1)" for name in row), {n: spec[n] for n in row}
+    # one forward all-reduce per block: exactly two row-parallel matmuls with a Partial output
+    partial = [n for n in plan.nodes if n.layer == "layers.0" and n.op == "mm.default"
+               and n.outputs[0].split(",")[1] == "P"]
+    assert len(partial) == 2, [(n.name, n.inputs, n.outputs) for n in partial]
