@@ -78,8 +78,10 @@ def parse_strategy(text: str) -> str | tuple[str, ...]:
     roles = tuple(r.strip() for r in text.split(","))
     bad = [r for r in roles if r not in ROLES]
     if bad:
-        fail(f"unknown strategy {', '.join(bad)!s}; choose from {', '.join(ROLES)} "
-             "(one for every axis, or one per axis joined by ',')")
+        fail(
+            f"unknown strategy {', '.join(bad)!s}; choose from {', '.join(ROLES)} "
+            "(one for every axis, or one per axis joined by ',')"
+        )
     return roles[0] if len(roles) == 1 else roles
 
 
@@ -104,14 +106,19 @@ def make_cluster(preset: str, nodes: int, mesh: str | None, axis_names: str | No
     if preset not in PRESETS:
         fail(f"unknown cluster preset {preset!r}; known presets: {', '.join(sorted(PRESETS))}")
     try:
-        return Cluster.preset(preset, nodes=nodes, mesh=parse_mesh(mesh) if mesh else None,
-                              axis_names=parse_names(axis_names))
+        return Cluster.preset(
+            preset,
+            nodes=nodes,
+            mesh=parse_mesh(mesh) if mesh else None,
+            axis_names=parse_names(axis_names),
+        )
     except ValueError as exc:
         fail(str(exc))
 
 
-def build_model_and_batch(sample, config: str, batch_size: int
-                          ) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+def build_model_and_batch(
+    sample, config: str, batch_size: int
+) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """Tiny configs are built for real; others on the meta device (no memory)."""
     device = None if config == "tiny" else "meta"
     torch.manual_seed(0)
@@ -119,8 +126,14 @@ def build_model_and_batch(sample, config: str, batch_size: int
     return model, tuple(sample.example_batch(model, batch_size, seed=0, device=device))
 
 
-def search(sample_name: str, config: str, batch_size: int, cluster: Cluster,
-           strategy: str | tuple[str, ...], time_limit: float) -> Plan:
+def search(
+    sample_name: str,
+    config: str,
+    batch_size: int,
+    cluster: Cluster,
+    strategy: str | tuple[str, ...],
+    time_limit: float,
+) -> Plan:
     """`autopar.plan` on the sample; raises what the search raises."""
     from autopar.api import plan as plan_api
 
@@ -137,7 +150,9 @@ ClusterOpt = Annotated[str, typer.Option("--cluster", help="cluster preset: " + 
 NodesOpt = Annotated[int, typer.Option("--nodes", min=1, help="number of nodes")]
 MeshOpt = Annotated[str | None, typer.Option("--mesh", help="mesh shape, e.g. 8 or 2x4")]
 NamesOpt = Annotated[str | None, typer.Option("--axis-names", help="e.g. node,gpu")]
-StrategyOpt = Annotated[str, typer.Option("--strategy", "-s", help="auto|dp|fsdp|tp, or per axis: dp,tp")]
+StrategyOpt = Annotated[
+    str, typer.Option("--strategy", "-s", help="auto|dp|fsdp|tp, or per axis: dp,tp")
+]
 TimeOpt = Annotated[float, typer.Option("--time-limit", help="ILP time limit (s)")]
 
 
@@ -151,7 +166,9 @@ def plan_cmd(
     mesh: MeshOpt = None,
     axis_names: NamesOpt = None,
     strategy: StrategyOpt = "auto",
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="write the plan JSON")] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="write the plan JSON")
+    ] = None,
     time_limit: TimeOpt = 30.0,
 ) -> None:
     """Search a plan for SAMPLE on a cluster preset (no processes, no weights)."""
@@ -201,7 +218,7 @@ def _layer_of_param(fqn: str, layers: Iterable[str]) -> str | None:
 
 
 def _relative(fqn: str, layer: str | None) -> str:
-    return fqn if layer is None else fqn[len(layer) + 1:]
+    return fqn if layer is None else fqn[len(layer) + 1 :]
 
 
 def group_layers(plan: Plan) -> list[LayerGroup]:
@@ -218,13 +235,17 @@ def group_layers(plan: Plan) -> list[LayerGroup]:
     for lay in params:
         sig = (OUTSIDE,) if lay is None else _signature(nodes.get(lay, []), params[lay], lay)
         same.setdefault(sig, []).append(lay)
-    return [LayerGroup(tuple(group), tuple(nodes.get(group[0], [])), tuple(params[group[0]]))
-            for group in same.values()]
+    return [
+        LayerGroup(tuple(group), tuple(nodes.get(group[0], [])), tuple(params[group[0]]))
+        for group in same.values()
+    ]
 
 
 def _signature(nodes: Sequence[NodePlan], params: Sequence[TensorPlan], layer: str) -> tuple:
-    return (tuple((n.op, n.inputs, n.outputs) for n in nodes),
-            tuple((_relative(t.fqn, layer), t.spec, t.shape, t.dtype) for t in params))
+    return (
+        tuple((n.op, n.inputs, n.outputs) for n in nodes),
+        tuple((_relative(t.fqn, layer), t.spec, t.shape, t.dtype) for t in params),
+    )
 
 
 def fmt_bytes(nbytes: float) -> str:
@@ -235,8 +256,14 @@ def fmt_bytes(nbytes: float) -> str:
     raise AssertionError("unreachable")
 
 
-def edge_collectives(src: str, dst: str, shape: Sequence[int] | None, dtype: str | None,
-                     mesh_shape: Sequence[int], axis_names: Sequence[str]) -> str:
+def edge_collectives(
+    src: str,
+    dst: str,
+    shape: Sequence[int] | None,
+    dtype: str | None,
+    mesh_shape: Sequence[int],
+    axis_names: Sequence[str],
+) -> str:
     """`S(0)→R all_gather@gpu 1.5 MiB`: the steps DTensor takes from `src` to `dst`.
 
     Bytes per step are those of the tensor unsharded over that step's axis (the cost model's
@@ -285,16 +312,16 @@ def has_edges(plan: Plan) -> bool:
     return any(getattr(n, "args", None) for n in plan.nodes)
 
 
-def node_edges(plan: Plan, node: NodePlan, produced: dict[str, _Produced]
-               ) -> list[tuple[str, str]]:
+def node_edges(plan: Plan, node: NodePlan, produced: dict[str, _Produced]) -> list[tuple[str, str]]:
     """(producer, collective text) per input edge whose placement changes."""
     out = []
     for producer, dst in zip(getattr(node, "args", None) or (), node.inputs, strict=False):
         src = produced.get(producer) if producer else None
         if src is None or src.spec is None or dst is None or src.spec == dst:
             continue
-        text = edge_collectives(src.spec, dst, src.shape, src.dtype, plan.mesh_shape,
-                                plan.axis_names)
+        text = edge_collectives(
+            src.spec, dst, src.shape, src.dtype, plan.mesh_shape, plan.axis_names
+        )
         out.append((producer, text))
     return out
 
@@ -312,17 +339,19 @@ def header_table(plan: Plan) -> Table:
         "strategy": plan.strategy,
         "graph": plan.graph_fingerprint,
         "devices": f"{cluster.world_size} × {cluster.device.name} ({cluster.backend})",
-        "mesh": " × ".join(f"{n}={s}" for n, s in zip(plan.axis_names, plan.mesh_shape,
-                                                     strict=True)),
+        "mesh": " × ".join(
+            f"{n}={s}" for n, s in zip(plan.axis_names, plan.mesh_shape, strict=True)
+        ),
         "axis roles": ", ".join(f"{n}={r}" for n, r in zip(plan.axis_names, roles, strict=True)),
-        "links": ", ".join(f"{n}: {lk}" for n, lk in zip(plan.axis_names, cluster.links,
-                                                         strict=True)),
+        "links": ", ".join(
+            f"{n}: {lk}" for n, lk in zip(plan.axis_names, cluster.links, strict=True)
+        ),
         "step time": f"{plan.predicted_step_time * 1e3:.3f} ms (predicted)",
         "peak memory": f"{fmt_bytes(peak)} per device (predicted, "
-                       f"{100 * peak / cluster.device.memory_bytes:.1f}% of "
-                       f"{cluster.device.memory_bytes / _GiB:.0f} GiB)",
+        f"{100 * peak / cluster.device.memory_bytes:.1f}% of "
+        f"{cluster.device.memory_bytes / _GiB:.0f} GiB)",
         "parameters": f"{len(params)} tensors, {numel / 1e6:.2f} M elements; "
-                      + ", ".join(f"{s}×{k}" for s, k in Counter(t.spec for t in params).most_common()),
+        + ", ".join(f"{s}×{k}" for s, k in Counter(t.spec for t in params).most_common()),
         "inputs": ", ".join(f"{t.fqn}={t.spec}" for t in plan.tensors if t.kind == "input"),
         "solver": _solver_text(plan.solver),
     }
@@ -334,9 +363,11 @@ def header_table(plan: Plan) -> Table:
 def _solver_text(s: dict) -> str:
     if not s:
         return "(no solver info)"
-    return (f"{s.get('status')}, gap {s.get('gap', 0):.2g}, ILP {s.get('solve_time_s', 0):.2f}s "
-            f"({s.get('ilp_decisions')} decisions of {s.get('decisions')}, {s.get('edges')} "
-            f"edges), search {s.get('search_time_s', 0):.2f}s")
+    return (
+        f"{s.get('status')}, gap {s.get('gap', 0):.2g}, ILP {s.get('solve_time_s', 0):.2f}s "
+        f"({s.get('ilp_decisions')} decisions of {s.get('decisions')}, {s.get('edges')} "
+        f"edges), search {s.get('search_time_s', 0):.2f}s"
+    )
 
 
 def _distinct(specs: Iterable[str | None]) -> str:
@@ -359,8 +390,9 @@ def node_table(plan: Plan, group: LayerGroup, produced: dict[str, _Produced] | N
     return table
 
 
-def param_table(plan: Plan, group: LayerGroup, produced: dict[str, _Produced] | None
-                ) -> Table | None:
+def param_table(
+    plan: Plan, group: LayerGroup, produced: dict[str, _Produced] | None
+) -> Table | None:
     if not group.params:
         return None
     used = _param_uses(plan, group, produced) if produced is not None else None
@@ -370,16 +402,21 @@ def param_table(plan: Plan, group: LayerGroup, produced: dict[str, _Produced] | 
     if used is not None:
         table.add_column("to consumers", overflow="fold")
     for t in group.params:
-        row = [_relative(t.fqn, group.layers[0]), "×".join(map(str, t.shape)) or "()",
-               t.dtype, t.spec]
+        row = [
+            _relative(t.fqn, group.layers[0]),
+            "×".join(map(str, t.shape)) or "()",
+            t.dtype,
+            t.spec,
+        ]
         if used is not None:
             row.append("\n".join(used.get(t.name, [])) or "as stored")
         table.add_row(*row)
     return table
 
 
-def _param_uses(plan: Plan, group: LayerGroup, produced: dict[str, _Produced]
-                ) -> dict[str, list[str]]:
+def _param_uses(
+    plan: Plan, group: LayerGroup, produced: dict[str, _Produced]
+) -> dict[str, list[str]]:
     """Per parameter, the distinct collectives that bring it to its consumers' specs."""
     names = {t.name for t in group.params}
     uses: dict[str, list[str]] = {}
@@ -405,8 +442,10 @@ def inspect_cmd(
     console.print(header_table(plan))
     produced = _producers(plan) if has_edges(plan) else None
     if produced is None:
-        console.print("[dim]this plan does not link node inputs to their producers; "
-                      "showing placements only (no per-edge collectives)[/]")
+        console.print(
+            "[dim]this plan does not link node inputs to their producers; "
+            "showing placements only (no per-edge collectives)[/]"
+        )
     for group in group_layers(plan):
         console.print(node_table(plan, group, produced))
         params = param_table(plan, group, produced)
@@ -422,8 +461,19 @@ def default_axis_names(ndim: int) -> tuple[str, ...]:
 def launch_command(nproc: int, launch_args: Sequence[str]) -> list[str]:
     """torchrun on this interpreter. `--standalone` rendezvouses on `localhost:0`: the OS
     picks a free port, so concurrent runs never collide."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-            "--nproc-per-node", str(nproc), "-m", "autopar.runtime.launch", *launch_args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        "autopar.runtime.launch",
+        *launch_args,
+    ]
 
 
 @app.command("run")
@@ -446,11 +496,28 @@ def run_cmd(
     if len(names) != len(shape):
         fail(f"--axis-names {','.join(names)} names {len(names)} axes; the mesh has {len(shape)}")
     check_strategy(parse_strategy(strategy), len(shape))
-    args = ["--sample", sample, "--config", config, "--batch-size", str(batch_size),
-            "--mesh", mesh, "--axis-names", ",".join(names), "--strategy", strategy,
-            "--steps", str(steps)]
+    args = [
+        "--sample",
+        sample,
+        "--config",
+        config,
+        "--batch-size",
+        str(batch_size),
+        "--mesh",
+        mesh,
+        "--axis-names",
+        ",".join(names),
+        "--strategy",
+        strategy,
+        "--steps",
+        str(steps),
+    ]
     with tempfile.TemporaryDirectory(prefix="autopar-run-") as tmp:
-        env = {**os.environ, "TMPDIR": tmp, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        env = {
+            **os.environ,
+            "TMPDIR": tmp,
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        }
         sys.stdout.flush()
         rc = subprocess.run(launch_command(nproc, args), env=env, check=False).returncode
     if rc != 0:
@@ -468,8 +535,9 @@ class BenchRow:
     error: str = ""
 
 
-def bench_one(sample: str, config: str, batch_size: int, cluster: Cluster, strategy: str,
-              time_limit: float) -> BenchRow:
+def bench_one(
+    sample: str, config: str, batch_size: int, cluster: Cluster, strategy: str, time_limit: float
+) -> BenchRow:
     try:
         plan = search(sample, config, batch_size, cluster, strategy, time_limit)
     except Exception as exc:  # a strategy that does not fit is a row, not a crash
@@ -480,27 +548,47 @@ def bench_one(sample: str, config: str, batch_size: int, cluster: Cluster, strat
 
 def bench_table(rows: Sequence[BenchRow], base: float, title: str) -> Table:
     table = Table(title=title)
-    for col in ("strategy", "axis roles", "step time (ms)", "peak memory (GiB)", "vs auto"):
+    for col in ("strategy", "axis roles", "step time (ms)", "peak memory/device", "vs auto"):
         table.add_column(col, justify="left" if col in ("strategy", "axis roles") else "right")
     for r in rows:
         if r.error:
             continue
         ratio = r.step_time / base if base > 0 else math.nan
-        table.add_row(r.strategy, r.roles, f"{r.step_time * 1e3:.3f}",
-                      f"{r.peak_memory / _GiB:.3f}", f"{ratio:.2f}×")
+        table.add_row(
+            r.strategy,
+            r.roles,
+            f"{r.step_time * 1e3:.3f}",
+            fmt_bytes(r.peak_memory),
+            f"{ratio:.2f}×",
+        )
     return table
 
 
 def write_bench_csv(path: Path, rows: Sequence[BenchRow], base: float) -> None:
     with open(path, "w", newline="") as f:
         out = csv.writer(f)
-        out.writerow(["strategy", "axis_roles", "predicted_step_time_s",
-                      "predicted_peak_memory_bytes", "ratio_vs_auto", "error"])
+        out.writerow(
+            [
+                "strategy",
+                "axis_roles",
+                "predicted_step_time_s",
+                "predicted_peak_memory_bytes",
+                "ratio_vs_auto",
+                "error",
+            ]
+        )
         for r in rows:
             ratio = r.step_time / base if base > 0 and not r.error else math.nan
-            out.writerow([r.strategy, r.roles, "" if r.error else r.step_time,
-                          "" if r.error else r.peak_memory,
-                          "" if math.isnan(ratio) else ratio, r.error])
+            out.writerow(
+                [
+                    r.strategy,
+                    r.roles,
+                    "" if r.error else r.step_time,
+                    "" if r.error else r.peak_memory,
+                    "" if math.isnan(ratio) else ratio,
+                    r.error,
+                ]
+            )
 
 
 @app.command("bench")
@@ -526,8 +614,9 @@ def bench_cmd(
         rows.append(row)
     auto = rows[0]
     base = math.nan if auto.error else auto.step_time
-    Console().print(bench_table(rows, base, f"{sample} {config} batch {batch_size} on "
-                                           f"{the_cluster}"))
+    Console().print(
+        bench_table(rows, base, f"{sample} {config} batch {batch_size} on {the_cluster}")
+    )
     if csv_path is not None:
         write_bench_csv(csv_path, rows, base)
         typer.echo(f"wrote {csv_path}")

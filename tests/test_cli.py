@@ -42,8 +42,16 @@ def test_plan_writes_a_loadable_plan(plan_file: Path) -> None:
 
 def test_inspect_collapses_identical_layers(plan_file: Path) -> None:
     out = invoke("inspect", str(plan_file))
-    for text in ("autopar plan", "axis roles", "step time", "peak memory", "solver",
-                 "(outside layers)", "layer h.0  ×2 identical: h.0, h.1", "storage spec"):
+    for text in (
+        "autopar plan",
+        "axis roles",
+        "step time",
+        "peak memory",
+        "solver",
+        "(outside layers)",
+        "layer h.0  ×2 identical: h.0, h.1",
+        "storage spec",
+    ):
         assert text in out, text
     assert "layer h.1" not in out
     groups = group_layers(Plan.load(plan_file))
@@ -52,10 +60,14 @@ def test_inspect_collapses_identical_layers(plan_file: Path) -> None:
 
 def test_edge_collectives_text() -> None:
     mesh, names = (2, 4), ("node", "gpu")
-    assert edge_collectives("R,S(0)", "R,R", (128, 32), "float32", mesh, names) == \
-        "R,S(0)→R,R all_gather@gpu 16.0 KiB"
-    assert edge_collectives("P,R", "S(0),R", (128, 32), "float32", mesh, names) == \
-        "P,R→S(0),R reduce_scatter@node 16.0 KiB"
+    assert (
+        edge_collectives("R,S(0)", "R,R", (128, 32), "float32", mesh, names)
+        == "R,S(0)→R,R all_gather@gpu 16.0 KiB"
+    )
+    assert (
+        edge_collectives("P,R", "S(0),R", (128, 32), "float32", mesh, names)
+        == "P,R→S(0),R reduce_scatter@node 16.0 KiB"
+    )
     assert edge_collectives("R,R", "S(1),R", None, None, mesh, names) == "R,R→S(1),R local"
 
 
@@ -69,16 +81,19 @@ def test_bench_table_and_csv(tmp_path: Path) -> None:
         assert r["error"] or (r["strategy"] in out and float(r["predicted_step_time_s"]) > 0)
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["plan", "nope"], "unknown sample 'nope'; known samples: gpt, llama, mlp"),
-    (["plan", "gpt", "--config", "huge"], "unknown config 'huge' for sample 'gpt'"),
-    (["plan", "gpt", "--cluster", "tpu"], "unknown cluster preset 'tpu'"),
-    (["plan", *TINY_CPU[:-1], "2xq"], "--mesh '2xq' is not a mesh"),
-    (["plan", "gpt", "--cluster", "dgx-h100", "--mesh", "3"], "mesh (3,) has 3 devices"),
-    (["plan", *TINY_CPU, "--strategy", "zero"], "unknown strategy zero"),
-    (["run", "gpt", "--nproc", "2", "--mesh", "2x2"], "--mesh 2x2 has 4 devices"),
-    (["bench", "nope"], "unknown sample 'nope'"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["plan", "nope"], "unknown sample 'nope'; known samples: gpt, llama, mlp"),
+        (["plan", "gpt", "--config", "huge"], "unknown config 'huge' for sample 'gpt'"),
+        (["plan", "gpt", "--cluster", "tpu"], "unknown cluster preset 'tpu'"),
+        (["plan", *TINY_CPU[:-1], "2xq"], "--mesh '2xq' is not a mesh"),
+        (["plan", "gpt", "--cluster", "dgx-h100", "--mesh", "3"], "mesh (3,) has 3 devices"),
+        (["plan", *TINY_CPU, "--strategy", "zero"], "unknown strategy zero"),
+        (["run", "gpt", "--nproc", "2", "--mesh", "2x2"], "--mesh 2x2 has 4 devices"),
+        (["bench", "nope"], "unknown sample 'nope'"),
+    ],
+)
 def test_bad_input_is_one_line(args: list[str], message: str) -> None:
     out = invoke(*args, code=2)
     assert message in out
@@ -87,12 +102,24 @@ def test_bad_input_is_one_line(args: list[str], message: str) -> None:
 
 @pytest.mark.multiproc
 def test_run_matches_single_device() -> None:
-    cmd = [sys.executable, "-m", "autopar", "run", "gpt", "--nproc", "2", "--mesh", "2",
-           "--steps", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "autopar",
+        "run",
+        "gpt",
+        "--nproc",
+        "2",
+        "--mesh",
+        "2",
+        "--steps",
+        "2",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    steps = re.findall(r"^step (\d+)  loss (\S+)  single-device (\S+)  \|diff\| (\S+)$",
-                       proc.stdout, re.M)
+    steps = re.findall(
+        r"^step (\d+)  loss (\S+)  single-device (\S+)  \|diff\| (\S+)$", proc.stdout, re.M
+    )
     assert [s[0] for s in steps] == ["1", "2"], proc.stdout
     worst = re.search(r"^max \|loss - single-device\| = (\S+)$", proc.stdout, re.M)
     assert worst is not None, proc.stdout

@@ -59,9 +59,13 @@ def train(args: argparse.Namespace, rank: int) -> None:
     mesh = tuple(int(s) for s in args.mesh.lower().split("x"))
     strategy = tuple(args.strategy.split(","))
     cluster = autopar.Cluster.local(mesh=mesh, axis_names=tuple(args.axis_names.split(",")))
-    pm = autopar.compile(model, batch, cluster=cluster,
-                         strategy=strategy[0] if len(strategy) == 1 else strategy,
-                         optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR))
+    pm = autopar.compile(
+        model,
+        batch,
+        cluster=cluster,
+        strategy=strategy[0] if len(strategy) == 1 else strategy,
+        optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
+    )
     if rank == 0:
         print(pm.plan.summary(), flush=True)
     worst = 0.0
@@ -70,8 +74,11 @@ def train(args: argparse.Namespace, rank: int) -> None:
         if rank == 0:
             diff = abs(loss - ref[step])
             worst = max(worst, diff) if not math.isnan(diff) else math.inf
-            print(f"step {step + 1}  loss {loss:.6f}  single-device {ref[step]:.6f}  "
-                  f"|diff| {diff:.1e}", flush=True)
+            print(
+                f"step {step + 1}  loss {loss:.6f}  single-device {ref[step]:.6f}  "
+                f"|diff| {diff:.1e}",
+                flush=True,
+            )
     if rank == 0:
         print(f"max |loss - single-device| = {worst:.1e}", flush=True)
 

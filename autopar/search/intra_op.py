@@ -23,6 +23,7 @@ Building the ILP (`autopar.search.ilp` holds the formulation itself):
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ from autopar.cluster import Cluster
 from autopar.passes.strategies import NodeStrategy, enumerate_strategies
 from autopar.plan import Plan
 from autopar.search.costs import CostContext
-from autopar.search.ilp import Edge, IntraOpProblem, solve_intra_op
+from autopar.search.ilp import Edge, IntraOpProblem, MemoryInfeasible, solve_intra_op
 from autopar.search.pins import SearchOptions, apply_pins
 from autopar.search.to_plan import assemble_plan
 
@@ -168,7 +169,10 @@ def search_plan(captured: Captured, cluster: Cluster, mesh: DeviceMesh,
     rep = share_layers(dec, strats) if options.share_layers else list(range(len(dec.items)))
     limit = options.memory_limit or cluster.device.memory_bytes * 0.9
     problem, var_of = price(dec, rep, strats, ctx, limit, options.time_limit_s)
-    solution = solve_intra_op(problem)
+    try:
+        solution = solve_intra_op(problem)
+    except MemoryInfeasible as exc:
+        raise _explain_memory(exc, cluster, limit) from None
     chosen = {n: strats[n][mapping[solution.choices[var_of[d]]]]
               for n, (d, mapping) in dec.owner.items()}
     info = {"status": solution.status, "gap": solution.gap, "solve_time_s": solution.solve_time_s,
@@ -176,3 +180,18 @@ def search_plan(captured: Captured, cluster: Cluster, mesh: DeviceMesh,
             "ilp_decisions": len(problem.node_cost), "edges": len(problem.edges)}
     return assemble_plan(captured, cluster, chosen, options.strategy_name(),
                          solution.objective, solution.memory, info)
+
+
+def _explain_memory(exc: MemoryInfeasible, cluster: Cluster, limit: float) -> MemoryInfeasible:
+    """Name the shortfall and the smallest cluster that would fit (states and activations
+    shard at best linearly with the device count, so this is a lower bound)."""
+    world = cluster.world_size
+    per_node = cluster.devices_per_node or world
+    devices = math.ceil(world * exc.min_memory / limit)
+    nodes = max(1, math.ceil(devices / per_node))
+    gib = 2**30
+    return MemoryInfeasible(exc.min_memory, limit, (
+        f"no plan fits in {limit / gib:.1f} GiB per device on {cluster}: even the most sharded "
+        f"plan needs {exc.min_memory / gib:.1f} GiB per device. Use at least {devices} devices "
+        f"(e.g. Cluster.preset(..., nodes={nodes})), a smaller batch, or memory_limit= if the "
+        "device has more memory."))
