@@ -42,13 +42,19 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     Every rank calls it with the same model (same initial weights) and the same GLOBAL batch.
     """
     if not dist.is_initialized():
-        raise RuntimeError("autopar.compile needs a process group: launch with torchrun (or "
-                           "`autopar run`) and call torch.distributed.init_process_group first; "
-                           "use autopar.plan to plan without processes.")
+        raise RuntimeError(
+            "autopar.compile needs a process group: launch with torchrun (or "
+            "`autopar run`) and call torch.distributed.init_process_group first; "
+            "use autopar.plan to plan without processes."
+        )
     captured = capture(model, example_inputs, loss_fn)
     mesh = cluster.device_mesh()
-    options = SearchOptions(strategy=strategy, placements=dict(placements or {}),
-                            memory_limit=memory_limit, time_limit_s=time_limit_s)
+    options = SearchOptions(
+        strategy=strategy,
+        placements=dict(placements or {}),
+        memory_limit=memory_limit,
+        time_limit_s=time_limit_s,
+    )
     if plan is not None:
         plan = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
         check_plan_matches(plan, captured, cluster)
@@ -71,16 +77,21 @@ def plan(
 ) -> Plan:
     """Search a plan without processes or weights (the model may be on the meta device)."""
     captured = capture(model, example_inputs, loss_fn)
-    options = SearchOptions(strategy=strategy, placements=dict(placements or {}),
-                            memory_limit=memory_limit, time_limit_s=time_limit_s)
+    options = SearchOptions(
+        strategy=strategy,
+        placements=dict(placements or {}),
+        memory_limit=memory_limit,
+        time_limit_s=time_limit_s,
+    )
     owns_group = not dist.is_initialized()
     if owns_group:
-        dist.init_process_group("fake", store=FakeStore(), rank=0,
-                                world_size=cluster.world_size)
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cluster.world_size)
     elif dist.get_world_size() != cluster.world_size:
-        raise ValueError(f"the cluster has {cluster.world_size} devices but the running process "
-                         f"group has {dist.get_world_size()}; plan outside the job, or use a "
-                         "cluster of the job's size")
+        raise ValueError(
+            f"the cluster has {cluster.world_size} devices but the running process "
+            f"group has {dist.get_world_size()}; plan outside the job, or use a "
+            "cluster of the job's size"
+        )
     try:
         mesh = cluster.device_mesh(device_type="cpu")
         return search_plan(captured, cluster, mesh, options)
@@ -95,12 +106,14 @@ def check_plan_matches(plan: Plan, captured: Captured, cluster: Cluster) -> None
         raise ValueError(
             f"this plan was made for another model or batch shape (graph fingerprint "
             f"{plan.graph_fingerprint}, this model's is {captured.fingerprint}); re-plan with "
-            "autopar.plan / `autopar plan` for this model and batch.")
+            "autopar.plan / `autopar plan` for this model and batch."
+        )
     if plan.mesh_shape != tuple(cluster.mesh_shape):
         raise ValueError(
             f"this plan is for a mesh {plan.mesh_shape} but the cluster's mesh is "
             f"{tuple(cluster.mesh_shape)}; re-plan for this cluster or launch "
-            f"{_prod(plan.mesh_shape)} processes with that mesh.")
+            f"{_prod(plan.mesh_shape)} processes with that mesh."
+        )
 
 
 def _plan_on_rank0(captured: Captured, cluster: Cluster, mesh, options: SearchOptions) -> Plan:
@@ -124,8 +137,10 @@ def verify_same_plan(plan: Plan) -> None:
     dist.all_gather_object(hashes, plan.content_hash)
     if any(h != hashes[0] for h in hashes):
         bad = [r for r, h in enumerate(hashes) if h != hashes[0]]
-        raise ValueError(f"ranks {bad} hold a different plan than rank 0 (hashes {hashes}); "
-                         "give every rank the same plan file.")
+        raise ValueError(
+            f"ranks {bad} hold a different plan than rank 0 (hashes {hashes}); "
+            "give every rank the same plan file."
+        )
 
 
 def _prod(shape: Sequence[int]) -> int:

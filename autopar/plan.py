@@ -130,17 +130,20 @@ class Plan:
             graph_fingerprint=data["graph_fingerprint"],
             cluster=data["cluster"],
             strategy=data["strategy"],
-            nodes=tuple(NodePlan(**{**n, "inputs": tuple(n["inputs"]),
-                                    "outputs": tuple(n["outputs"])}) for n in data["nodes"]),
-            tensors=tuple(TensorPlan(**{**t, "shape": tuple(t["shape"])})
-                          for t in data["tensors"]),
+            nodes=tuple(
+                NodePlan(**{**n, "inputs": tuple(n["inputs"]), "outputs": tuple(n["outputs"])})
+                for n in data["nodes"]
+            ),
+            tensors=tuple(TensorPlan(**{**t, "shape": tuple(t["shape"])}) for t in data["tensors"]),
             predicted_step_time=data["predicted_step_time"],
             predicted_peak_memory=data["predicted_peak_memory"],
             solver=data.get("solver", {}),
         )
         if stored_hash is not None and stored_hash != plan.content_hash:
-            raise ValueError("plan file is corrupted or was edited: its content hash does not "
-                             "match its contents; re-plan with `autopar plan`.")
+            raise ValueError(
+                "plan file is corrupted or was edited: its content hash does not "
+                "match its contents; re-plan with `autopar plan`."
+            )
         return plan
 
     def to_json(self) -> str:

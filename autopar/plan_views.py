@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from autopar.plan import Plan, parse_spec
 from torch.distributed.tensor import Shard
+
+from autopar.plan import Plan, parse_spec
 
 
 def axis_roles(plan: Plan) -> list[str]:
@@ -24,8 +25,11 @@ MATMUL_OPS = ("mm.default", "addmm.default")
 
 
 def _axis_role(plan: Plan, axis: int) -> str:
-    outs = [n.outputs[0].split(",")[axis] for n in plan.nodes
-            if n.op in MATMUL_OPS and n.outputs and n.outputs[0]]
+    outs = [
+        n.outputs[0].split(",")[axis]
+        for n in plan.nodes
+        if n.op in MATMUL_OPS and n.outputs and n.outputs[0]
+    ]
     params = [t for t in plan.tensors if t.kind == "param"]
     sharded = sum(_numel(t.shape) for t in params if isinstance(parse_spec(t.spec)[axis], Shard))
     total = sum(_numel(t.shape) for t in params) or 1
@@ -39,8 +43,11 @@ def _axis_role(plan: Plan, axis: int) -> str:
 
 
 def _seq_sharded(plan: Plan, axis: int) -> bool:
-    return any(o is not None and o.split(",")[axis] == "S(1)" and n.op.startswith("native_layer")
-               for n in plan.nodes for o in n.outputs[:1])
+    return any(
+        o is not None and o.split(",")[axis] == "S(1)" and n.op.startswith("native_layer")
+        for n in plan.nodes
+        for o in n.outputs[:1]
+    )
 
 
 def _numel(shape) -> int:
@@ -56,13 +63,15 @@ def describe(plan: Plan) -> dict:
         "strategy": plan.strategy,
         "graph_fingerprint": plan.graph_fingerprint,
         "content_hash": plan.content_hash,
-        "stages": [{
-            "stage": 0,
-            "devices": list(range(_numel(plan.mesh_shape))),
-            "mesh": list(plan.mesh_shape),
-            "axis_names": list(plan.axis_names),
-            "axis_roles": dict(zip(plan.axis_names, roles, strict=True)),
-        }],
+        "stages": [
+            {
+                "stage": 0,
+                "devices": list(range(_numel(plan.mesh_shape))),
+                "mesh": list(plan.mesh_shape),
+                "axis_names": list(plan.axis_names),
+                "axis_roles": dict(zip(plan.axis_names, roles, strict=True)),
+            }
+        ],
         "predicted_step_time": plan.predicted_step_time,
         "predicted_peak_memory": plan.predicted_peak_memory,
         "parameters": {t.fqn: t.spec for t in plan.tensors if t.kind == "param"},
@@ -77,17 +86,19 @@ def summary(plan: Plan) -> str:
     lines = [
         f"autopar plan {d['content_hash']} for graph {d['graph_fingerprint']} "
         f"(strategy={d['strategy']})",
-        f"mesh {tuple(stage['mesh'])} axes " + ", ".join(
-            f"{a}={r}" for a, r in stage["axis_roles"].items()),
+        f"mesh {tuple(stage['mesh'])} axes "
+        + ", ".join(f"{a}={r}" for a, r in stage["axis_roles"].items()),
         f"predicted step time {plan.predicted_step_time * 1e3:.3f} ms, "
         f"peak memory {plan.predicted_peak_memory / 2**30:.3f} GiB per device",
-        "parameter placements: " + ", ".join(
-            f"{spec}×{n}" for spec, n in Counter(d["parameters"].values()).most_common()),
+        "parameter placements: "
+        + ", ".join(f"{spec}×{n}" for spec, n in Counter(d["parameters"].values()).most_common()),
         "inputs: " + ", ".join(f"{k}={v}" for k, v in d["inputs"].items()),
     ]
     if plan.solver:
         s = plan.solver
-        lines.append(f"solver: {s.get('status')} gap {s.get('gap', 0):.2g} in "
-                     f"{s.get('solve_time_s', 0):.2f}s ({s.get('ilp_decisions')} decisions, "
-                     f"{s.get('edges')} edges; search {s.get('search_time_s', 0):.2f}s)")
+        lines.append(
+            f"solver: {s.get('status')} gap {s.get('gap', 0):.2g} in "
+            f"{s.get('solve_time_s', 0):.2f}s ({s.get('ilp_decisions')} decisions, "
+            f"{s.get('edges')} edges; search {s.get('search_time_s', 0):.2f}s)"
+        )
     return "\n".join(lines)

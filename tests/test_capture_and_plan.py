@@ -73,16 +73,18 @@ def test_non_scalar_output_asks_for_loss_fn() -> None:
     lin = nn.Linear(4, 4)
     with pytest.raises(CaptureError, match="loss_fn"):
         capture(lin, (torch.randn(2, 4),))
-    captured = capture(lin, (torch.randn(2, 4), torch.randn(2, 4)),
-                       loss_fn=lambda out, y: ((out - y) ** 2).mean())
+    captured = capture(
+        lin, (torch.randn(2, 4), torch.randn(2, 4)), loss_fn=lambda out, y: ((out - y) ** 2).mean()
+    )
     assert sorted(captured.params.values()) == ["bias", "weight"]  # no wrapper prefix
 
 
 @pytest.fixture(scope="module")
 def gpt_plan() -> Plan:
     model, batch = _tiny("gpt")
-    return autopar.plan(model, batch, cluster=Cluster.preset("cpu", mesh=(2, 2),
-                                                             axis_names=("dp", "tp")))
+    return autopar.plan(
+        model, batch, cluster=Cluster.preset("cpu", mesh=(2, 2), axis_names=("dp", "tp"))
+    )
 
 
 def test_plan_json_round_trips_exactly(gpt_plan: Plan, tmp_path) -> None:
@@ -135,5 +137,4 @@ def test_forced_strategy_must_name_known_roles() -> None:
     with pytest.raises(ValueError, match="unknown strategy 'zero'"):
         autopar.plan(model, batch, cluster=Cluster.preset("cpu", mesh=(2,)), strategy="zero")
     with pytest.raises(ValueError, match="names 2 axis roles but the mesh has 1"):
-        autopar.plan(model, batch, cluster=Cluster.preset("cpu", mesh=(2,)),
-                     strategy=("dp", "tp"))
+        autopar.plan(model, batch, cluster=Cluster.preset("cpu", mesh=(2,)), strategy=("dp", "tp"))

@@ -45,13 +45,16 @@ def test_every_strategy_matches_single_device(sample: str) -> None:
         if res.error:
             failures.append(f"{res.label}: {res.error}")
             continue
-        line = (f"{res.label}: loss {res.loss_rel_err:.1e} grad {res.grad_err:.1e} "
-                f"param {res.param_err:.1e} (ddp {res.ddp_param_err:.1e}) roles {res.roles}")
+        line = (
+            f"{res.label}: loss {res.loss_rel_err:.1e} grad {res.grad_err:.1e} "
+            f"param {res.param_err:.1e} (ddp {res.ddp_param_err:.1e}) roles {res.roles}"
+        )
         print(line)
         if res.loss_rel_err > 1e-5 or res.grad_err > 1e-5 or res.param_err > LR * STEPS:
             failures.append("tolerance exceeded: " + line)
-        forced = (case.strategy,) * len(case.mesh) if isinstance(case.strategy, str) \
-            else case.strategy
+        forced = (
+            (case.strategy,) * len(case.mesh) if isinstance(case.strategy, str) else case.strategy
+        )
         for axis, role in zip(case.axis_names, forced, strict=True):
             if role != "auto" and res.roles[axis] != EXPECTED_ROLES[role]:
                 failures.append(f"{res.label}: axis {axis} plays {res.roles[axis]}, not {role}")

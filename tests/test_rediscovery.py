@@ -53,8 +53,15 @@ def test_states_exceeding_a_device_give_fsdp() -> None:
 
 
 def test_large_hidden_gives_megatron_pairing_on_the_fast_axis() -> None:
-    cfg = LlamaConfig(vocab_size=32768, max_seq_len=2048, n_layers=4, dim=8192, n_heads=64,
-                      n_kv_heads=64, ffn_hidden_dim=4 * 8192)
+    cfg = LlamaConfig(
+        vocab_size=32768,
+        max_seq_len=2048,
+        n_layers=4,
+        dim=8192,
+        n_heads=64,
+        n_kv_heads=64,
+        ffn_hidden_dim=4 * 8192,
+    )
     with torch.device("meta"):
         model = Llama(cfg)
     batch = example_batch(cfg, 32, device="meta")
@@ -70,6 +77,9 @@ def test_large_hidden_gives_megatron_pairing_on_the_fast_axis() -> None:
         assert all(spec[name] == "S(0)" for name in column), {n: spec[n] for n in column}
         assert all(spec[name] == "S(1)" for name in row), {n: spec[n] for n in row}
     # one forward all-reduce per block: exactly two row-parallel matmuls with a Partial output
-    partial = [n for n in plan.nodes if n.layer == "layers.0" and n.op == "mm.default"
-               and n.outputs[0].split(",")[1] == "P"]
+    partial = [
+        n
+        for n in plan.nodes
+        if n.layer == "layers.0" and n.op == "mm.default" and n.outputs[0].split(",")[1] == "P"
+    ]
     assert len(partial) == 2, [(n.name, n.inputs, n.outputs) for n in partial]

@@ -12,7 +12,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import autopar
-from autopar.plan import Plan
 from autopar.testing.parity import _free_port
 from samples import get_sample
 

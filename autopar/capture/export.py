@@ -146,13 +146,18 @@ def _roles(ep: ExportedProgram, root: nn.Module) -> Captured:
         else:
             raise CaptureError(f"unsupported graph input kind {spec.kind} for {name}")
     gm = ep.graph_module
-    roles = {**dict.fromkeys(params, "param"), **dict.fromkeys(buffers, "buffer"),
-             **dict.fromkeys(constants, "buffer"), **dict.fromkeys(user_inputs, "input")}
+    roles = {
+        **dict.fromkeys(params, "param"),
+        **dict.fromkeys(buffers, "buffer"),
+        **dict.fromkeys(constants, "buffer"),
+        **dict.fromkeys(user_inputs, "input"),
+    }
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             node.meta["autopar_role"] = roles[node.name]
-    return Captured(gm=gm, params=params, buffers=buffers, constants=constants,
-                    user_inputs=user_inputs)
+    return Captured(
+        gm=gm, params=params, buffers=buffers, constants=constants, user_inputs=user_inputs
+    )
 
 
 def _merge_tied(captured: Captured, root: nn.Module) -> None:
@@ -174,8 +179,11 @@ def _merge_tied(captured: Captured, root: nn.Module) -> None:
     captured.gm.recompile()
 
 
-ASSERT_OPS = (aten._assert_tensor_metadata.default, aten._assert_scalar.default,
-              aten.sym_constrain_range_for_size.default)
+ASSERT_OPS = (
+    aten._assert_tensor_metadata.default,
+    aten._assert_scalar.default,
+    aten.sym_constrain_range_for_size.default,
+)
 
 
 def _drop_asserts(gm: fx.GraphModule) -> None:
@@ -190,8 +198,10 @@ def _strip_prefix(captured: Captured, prefix: str) -> None:
     """Names as the user's model has them (not the loss wrapper's)."""
     captured.params = {k: v.removeprefix(prefix) for k, v in captured.params.items()}
     captured.buffers = {k: v.removeprefix(prefix) for k, v in captured.buffers.items()}
-    captured.aliases = {k.removeprefix(prefix): [a.removeprefix(prefix) for a in v]
-                        for k, v in captured.aliases.items()}
+    captured.aliases = {
+        k.removeprefix(prefix): [a.removeprefix(prefix) for a in v]
+        for k, v in captured.aliases.items()
+    }
 
 
 def layer_of(node: fx.Node) -> str | None:
@@ -218,6 +228,8 @@ def graph_fingerprint(captured: Captured) -> str:
 
 def _arg_repr(n: fx.Node, index: dict[fx.Node, int]) -> str:
     flat: list[str] = []
-    fx.node.map_aggregate((n.args, n.kwargs), lambda a: flat.append(
-        f"%{index[a]}" if isinstance(a, fx.Node) else repr(a)) or a)
+    fx.node.map_aggregate(
+        (n.args, n.kwargs),
+        lambda a: flat.append(f"%{index[a]}" if isinstance(a, fx.Node) else repr(a)) or a,
+    )
     return ",".join(flat)

@@ -89,8 +89,10 @@ class PlacedInterpreter(fx.Interpreter):
             value = DTensor.from_local(value, self.mesh, self.replicated, run_check=False)
         if want is None or tuple(value.placements) == tuple(want):
             return value
-        if all(w.is_partial() == c.is_partial() and (w.is_partial() or w == c)
-               for w, c in zip(want, value.placements, strict=True)):
+        if all(
+            w.is_partial() == c.is_partial() and (w.is_partial() or w == c)
+            for w, c in zip(want, value.placements, strict=True)
+        ):
             return value  # a Partial of another kind (e.g. the embedding's masked sum) is kept
         return value.redistribute(self.mesh, want)
 
@@ -99,8 +101,9 @@ class PlacedInterpreter(fx.Interpreter):
             return out
         want = parse_spec(node_plan.outputs[0])
         if want is not None and tuple(out.placements) != tuple(want):
-            log.debug("%s: DTensor chose %s, plan says %s; redistributing", n.name,
-                      out.placements, want)
+            log.debug(
+                "%s: DTensor chose %s, plan says %s; redistributing", n.name, out.placements, want
+            )
             if not any(p.is_partial() for p in out.placements):
                 out = out.redistribute(self.mesh, want)
         return out
@@ -120,8 +123,14 @@ def _contiguous_local(x):
 
 
 def _wrap(local: torch.Tensor, spec, shape: Sequence[int], mesh: DeviceMesh) -> DTensor:
-    return DTensor.from_local(local, mesh, spec, run_check=False, shape=torch.Size(shape),
-                              stride=_contiguous_stride(shape))
+    return DTensor.from_local(
+        local,
+        mesh,
+        spec,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=_contiguous_stride(shape),
+    )
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -132,8 +141,9 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def lower_plan(captured: Captured, plan: Plan, mesh: DeviceMesh,
-               example_locals: dict[str, torch.Tensor]) -> LocalStep:
+def lower_plan(
+    captured: Captured, plan: Plan, mesh: DeviceMesh, example_locals: dict[str, torch.Tensor]
+) -> LocalStep:
     """Trace the planned step into a per-rank graph of local ops and functional collectives.
 
     `example_locals` maps every placeholder name to this rank's local tensor (parameters
@@ -151,13 +161,15 @@ def lower_plan(captured: Captured, plan: Plan, mesh: DeviceMesh,
         for name, local in zip(order, locals_, strict=True):
             t = tensors[name]
             env[name] = _wrap(local, parse_spec(t.spec), t.shape, mesh)
-        loss = interp.run(*[env[ph.name] for ph in captured.placeholders()],
-                          enable_io_processing=False)
+        loss = interp.run(
+            *[env[ph.name] for ph in captured.placeholders()], enable_io_processing=False
+        )
         loss = loss[0] if isinstance(loss, (tuple, list)) else loss
         loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
         grads = torch.autograd.grad(loss, list(locals_[: len(params)]), allow_unused=True)
-        grads = [torch.zeros_like(p) if g is None else g
-                 for g, p in zip(grads, locals_, strict=False)]
+        grads = [
+            torch.zeros_like(p) if g is None else g for g, p in zip(grads, locals_, strict=False)
+        ]
         return (loss.detach(), *grads)
 
     examples = [example_locals[n] for n in order]

@@ -27,30 +27,45 @@ OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 class ParallelModel:
     """The compiled model: `.plan`, `.step(*batch)`, `.full_state_dict()`, `.save_plan()`."""
 
-    def __init__(self, model: nn.Module, captured: Captured, plan: Plan, mesh: DeviceMesh,
-                 optimizer: OptimizerFactory | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        captured: Captured,
+        plan: Plan,
+        mesh: DeviceMesh,
+        optimizer: OptimizerFactory | None = None,
+    ):
         self.plan = plan
         self.mesh = mesh
         self.captured = captured
         self._tensor_plans = {t.name: t for t in plan.tensors}
         self._model_state = _named_state(model)
-        self.local_params = {name: self._shard(name).requires_grad_(True)
-                             for name in captured.params}
-        self.local_buffers = {name: self._shard(name)
-                              for name in [*captured.buffers, *captured.constants]}
+        self.local_params = {
+            name: self._shard(name).requires_grad_(True) for name in captured.params
+        }
+        self.local_buffers = {
+            name: self._shard(name) for name in [*captured.buffers, *captured.constants]
+        }
         self.optimizer = optimizer(list(self.local_params.values())) if optimizer else None
-        example = {**self.local_params, **self.local_buffers,
-                   **{n: self._input_example(n) for n in captured.user_inputs}}
+        example = {
+            **self.local_params,
+            **self.local_buffers,
+            **{n: self._input_example(n) for n in captured.user_inputs},
+        }
         self.program: LocalStep = lower_plan(captured, plan, mesh, example)
 
     # ---- training ------------------------------------------------------------------------
     def forward_backward(self, *batch: torch.Tensor) -> torch.Tensor:
         """Run forward and backward; leaves each local shard's `.grad`; returns the loss."""
         if len(batch) != len(self.captured.user_inputs):
-            raise ValueError(f"step() takes the batch the model was compiled with: "
-                             f"{len(self.captured.user_inputs)} tensors, got {len(batch)}")
-        inputs = [self._local_input(name, t) for name, t in zip(self.captured.user_inputs, batch,
-                                                               strict=True)]
+            raise ValueError(
+                f"step() takes the batch the model was compiled with: "
+                f"{len(self.captured.user_inputs)} tensors, got {len(batch)}"
+            )
+        inputs = [
+            self._local_input(name, t)
+            for name, t in zip(self.captured.user_inputs, batch, strict=True)
+        ]
         params = [self.local_params[n].detach() for n in self.program.param_names]
         buffers = [self.local_buffers[n] for n in self.program.buffer_names]
         loss, *grads = self.program.gm(*params, *buffers, *inputs)
@@ -95,21 +110,26 @@ class ParallelModel:
         if full is None:
             full = self.captured.constants[name]
         if full.is_meta:
-            raise ValueError(f"parameter '{t.fqn}' is on the meta device: autopar.compile needs "
-                             "real weights (use autopar.plan to plan a meta model)")
+            raise ValueError(
+                f"parameter '{t.fqn}' is on the meta device: autopar.compile needs "
+                "real weights (use autopar.plan to plan a meta model)"
+            )
         return local_chunk(full, parse_spec(t.spec), self.mesh)
 
     def _local_input(self, name: str, full: torch.Tensor) -> torch.Tensor:
         t = self._tensor_plans[name]
         if tuple(full.shape) != t.shape:
-            raise ValueError(f"batch tensor '{name}' has shape {tuple(full.shape)} but the model "
-                             f"was compiled for {t.shape}; compile again for a new batch shape")
+            raise ValueError(
+                f"batch tensor '{name}' has shape {tuple(full.shape)} but the model "
+                f"was compiled for {t.shape}; compile again for a new batch shape"
+            )
         return local_chunk(full, parse_spec(t.spec), self.mesh)
 
     def _input_example(self, name: str) -> torch.Tensor:
         t = self._tensor_plans[name]
-        full = torch.empty(t.shape, dtype=getattr(torch, t.dtype.removeprefix("torch.")),
-                           device="meta")
+        full = torch.empty(
+            t.shape, dtype=getattr(torch, t.dtype.removeprefix("torch.")), device="meta"
+        )
         shape = local_chunk(full, parse_spec(t.spec), self.mesh).shape
         return torch.zeros(shape, dtype=full.dtype)
 

@@ -27,18 +27,26 @@ def local_chunk(full: torch.Tensor, spec: Spec, mesh: DeviceMesh) -> torch.Tenso
             if local.shape[dim] % n:
                 raise ValueError(
                     f"dim {dim} of size {local.shape[dim]} does not split evenly over mesh "
-                    f"axis {axis} of size {n}")
+                    f"axis {axis} of size {n}"
+                )
             local = local.chunk(n, dim)[coord[axis]]
         elif placement.is_partial():
             raise ValueError("a stored tensor cannot be Partial")
     return local.detach().clone().contiguous()
 
 
-def gather_full(local: torch.Tensor, spec: Spec, mesh: DeviceMesh,
-                shape: tuple[int, ...]) -> torch.Tensor:
+def gather_full(
+    local: torch.Tensor, spec: Spec, mesh: DeviceMesh, shape: tuple[int, ...]
+) -> torch.Tensor:
     """The global tensor from every rank's shard (a collective: every rank must call it)."""
     if all(not isinstance(p, Shard) for p in spec):
         return local.detach().clone()
-    dt = DTensor.from_local(local.detach(), mesh, spec, run_check=False, shape=torch.Size(shape),
-                            stride=torch.empty(shape, device="meta").stride())
+    dt = DTensor.from_local(
+        local.detach(),
+        mesh,
+        spec,
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=torch.empty(shape, device="meta").stride(),
+    )
     return dt.full_tensor()

@@ -24,17 +24,28 @@ from torch.distributed.tensor import Partial, Replicate
 
 from autopar.cluster import Cluster
 from autopar.cost_models import comm, compute, memory
-from autopar.passes.strategies import NodeStrategy
 from autopar.passes.lower import tensor_args
+from autopar.passes.strategies import NodeStrategy
 
 aten = torch.ops.aten
 
 # Ops whose output aliases their input: no new activation memory.
 VIEW_OPS = {
-    aten.view.default, aten._unsafe_view.default, aten.permute.default, aten.t.default,
-    aten.transpose.int, aten.expand.default, aten.slice.Tensor, aten.split.Tensor,
-    aten.split_with_sizes.default, aten.unsqueeze.default, aten.squeeze.dim,
-    aten.squeeze.dims, aten.alias.default, aten.select.int, aten.reshape.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.permute.default,
+    aten.t.default,
+    aten.transpose.int,
+    aten.expand.default,
+    aten.slice.Tensor,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.alias.default,
+    aten.select.int,
+    aten.reshape.default,
 }
 
 
@@ -91,8 +102,7 @@ class CostContext:
             if not isinstance(val, torch.Tensor) or not s.outputs:
                 return 0.0
             local = memory.local_numel(val.shape, s.outputs[0], self.mesh_shape)
-            copies = 1 + (1 + self.optimizer_states if n.meta.get("autopar_role") == "param"
-                          else 0)
+            copies = 1 + (1 + self.optimizer_states if n.meta.get("autopar_role") == "param" else 0)
             return float(local * val.element_size() * copies)
         if n.target in VIEW_OPS or n.target is _getitem or n.op != "call_function":
             return 0.0
@@ -115,16 +125,22 @@ class CostContext:
             return 0.0
         grad_dst = self._grad_spec_at_consumer(dst, s)
         grad_src = tuple(Replicate() if p.is_partial() else p for p in src)
-        return self._redistribute(tuple(src), tuple(dst), tuple(val.shape), val.element_size()) \
-            + self._redistribute(grad_dst, grad_src, tuple(val.shape), val.element_size())
+        return self._redistribute(
+            tuple(src), tuple(dst), tuple(val.shape), val.element_size()
+        ) + self._redistribute(grad_dst, grad_src, tuple(val.shape), val.element_size())
 
     def _grad_spec_at_consumer(self, dst, s: NodeStrategy):
         out = []
         for axis, p in enumerate(dst):
-            split = any(sp is not None and not isinstance(sp[axis], Replicate)
-                        for sp in (*s.inputs, *s.outputs))
-            out.append(Partial() if isinstance(p, Replicate) and split else
-                       (Replicate() if p.is_partial() else p))
+            split = any(
+                sp is not None and not isinstance(sp[axis], Replicate)
+                for sp in (*s.inputs, *s.outputs)
+            )
+            out.append(
+                Partial()
+                if isinstance(p, Replicate) and split
+                else (Replicate() if p.is_partial() else p)
+            )
         return tuple(out)
 
     def _redistribute(self, src, dst, shape, itemsize) -> float:
@@ -138,10 +154,13 @@ def _redistribute_cached(cluster: Cluster, src, dst, shape, itemsize) -> float:
     if any(b.is_partial() and not a.is_partial() for a, b in zip(src, dst, strict=True)):
         return math.inf  # DTensor does not redistribute into Partial: forbidden pair
     # a Partial of another kind (the embedding's masked sum) is kept as it is by lowering
-    src = tuple(b if a.is_partial() and b.is_partial() else a for a, b in zip(src, dst,
-                                                                               strict=True))
-    launches = sum(cluster.links[axis].latency for axis, _ in comm.redistribute_steps(
-        src, dst, cluster.mesh_shape))
+    src = tuple(
+        b if a.is_partial() and b.is_partial() else a for a, b in zip(src, dst, strict=True)
+    )
+    launches = sum(
+        cluster.links[axis].latency
+        for axis, _ in comm.redistribute_steps(src, dst, cluster.mesh_shape)
+    )
     return comm.redistribute_time(src, dst, shape, itemsize, cluster) + launches
 
 

@@ -57,8 +57,9 @@ class Decisions:
     owner: dict[fx.Node, tuple[int, list[int]]]  # node -> (decision, choice -> strategy)
 
 
-def build_decisions(gm: fx.GraphModule, strats: dict[fx.Node, list[NodeStrategy]],
-                    ctx: CostContext) -> Decisions:
+def build_decisions(
+    gm: fx.GraphModule, strats: dict[fx.Node, list[NodeStrategy]], ctx: CostContext
+) -> Decisions:
     items: list[Decision] = []
     owner: dict[fx.Node, tuple[int, list[int]]] = {}
     for n in gm.graph.nodes:
@@ -115,8 +116,10 @@ def share_layers(dec: Decisions, strats) -> list[int]:
 
 
 def _signature(item: Decision, strats) -> tuple:
-    return tuple((str(n.target), _shape(n), tuple(m), tuple(str(s) for s in strats[n]))
-                 for n, m in item.members)
+    return tuple(
+        (str(n.target), _shape(n), tuple(m), tuple(str(s) for s in strats[n]))
+        for n, m in item.members
+    )
 
 
 def _shape(n: fx.Node):
@@ -124,8 +127,14 @@ def _shape(n: fx.Node):
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
-def price(dec: Decisions, rep: list[int], strats, ctx: CostContext,
-          memory_limit: float, time_limit_s: float) -> tuple[IntraOpProblem, list[int]]:
+def price(
+    dec: Decisions,
+    rep: list[int],
+    strats,
+    ctx: CostContext,
+    memory_limit: float,
+    time_limit_s: float,
+) -> tuple[IntraOpProblem, list[int]]:
     reps = sorted(set(rep))
     index = {r: i for i, r in enumerate(reps)}
     cost = [[0.0] * dec.items[r].num_choices for r in reps]
@@ -138,8 +147,12 @@ def price(dec: Decisions, rep: list[int], strats, ctx: CostContext,
                 mem[i][c] += ctx.node_memory(n, strats[n][j])
     edges = _edges(dec, rep, index, strats, ctx)
     problem = IntraOpProblem(
-        node_cost=tuple(tuple(r) for r in cost), node_memory=tuple(tuple(r) for r in mem),
-        edges=tuple(edges), memory_limit=memory_limit, time_limit_s=time_limit_s)
+        node_cost=tuple(tuple(r) for r in cost),
+        node_memory=tuple(tuple(r) for r in mem),
+        edges=tuple(edges),
+        memory_limit=memory_limit,
+        time_limit_s=time_limit_s,
+    )
     return problem, [index[r] for r in rep]
 
 
@@ -158,8 +171,9 @@ def _edges(dec: Decisions, rep, index, strats, ctx: CostContext) -> list[Edge]:
     return [Edge(u, v, tuple(tuple(r) for r in m)) for (u, v), m in acc.items()]
 
 
-def search_plan(captured: Captured, cluster: Cluster, mesh: DeviceMesh,
-                options: SearchOptions | None = None) -> Plan:
+def search_plan(
+    captured: Captured, cluster: Cluster, mesh: DeviceMesh, options: SearchOptions | None = None
+) -> Plan:
     options = options or SearchOptions()
     t0 = time.perf_counter()
     strats = enumerate_strategies(captured.gm, mesh)
@@ -173,13 +187,27 @@ def search_plan(captured: Captured, cluster: Cluster, mesh: DeviceMesh,
         solution = solve_intra_op(problem)
     except MemoryInfeasible as exc:
         raise _explain_memory(exc, cluster, limit) from None
-    chosen = {n: strats[n][mapping[solution.choices[var_of[d]]]]
-              for n, (d, mapping) in dec.owner.items()}
-    info = {"status": solution.status, "gap": solution.gap, "solve_time_s": solution.solve_time_s,
-            "search_time_s": time.perf_counter() - t0, "decisions": len(dec.items),
-            "ilp_decisions": len(problem.node_cost), "edges": len(problem.edges)}
-    return assemble_plan(captured, cluster, chosen, options.strategy_name(),
-                         solution.objective, solution.memory, info)
+    chosen = {
+        n: strats[n][mapping[solution.choices[var_of[d]]]] for n, (d, mapping) in dec.owner.items()
+    }
+    info = {
+        "status": solution.status,
+        "gap": solution.gap,
+        "solve_time_s": solution.solve_time_s,
+        "search_time_s": time.perf_counter() - t0,
+        "decisions": len(dec.items),
+        "ilp_decisions": len(problem.node_cost),
+        "edges": len(problem.edges),
+    }
+    return assemble_plan(
+        captured,
+        cluster,
+        chosen,
+        options.strategy_name(),
+        solution.objective,
+        solution.memory,
+        info,
+    )
 
 
 def _explain_memory(exc: MemoryInfeasible, cluster: Cluster, limit: float) -> MemoryInfeasible:
@@ -190,8 +218,13 @@ def _explain_memory(exc: MemoryInfeasible, cluster: Cluster, limit: float) -> Me
     devices = math.ceil(world * exc.min_memory / limit)
     nodes = max(1, math.ceil(devices / per_node))
     gib = 2**30
-    return MemoryInfeasible(exc.min_memory, limit, (
-        f"no plan fits in {limit / gib:.1f} GiB per device on {cluster}: even the most sharded "
-        f"plan needs {exc.min_memory / gib:.1f} GiB per device. Use at least {devices} devices "
-        f"(e.g. Cluster.preset(..., nodes={nodes})), a smaller batch, or memory_limit= if the "
-        "device has more memory."))
+    return MemoryInfeasible(
+        exc.min_memory,
+        limit,
+        (
+            f"no plan fits in {limit / gib:.1f} GiB per device on {cluster}: even the most sharded "
+            f"plan needs {exc.min_memory / gib:.1f} GiB per device. Use at least {devices} devices "
+            f"(e.g. Cluster.preset(..., nodes={nodes})), a smaller batch, or memory_limit= if the "
+            "device has more memory."
+        ),
+    )

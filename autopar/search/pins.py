@@ -45,8 +45,10 @@ class SearchOptions:
     def roles(self, ndim: int) -> tuple[str, ...]:
         roles = (self.strategy,) * ndim if isinstance(self.strategy, str) else tuple(self.strategy)
         if len(roles) != ndim:
-            raise ValueError(f"strategy={self.strategy!r} names {len(roles)} axis roles but the "
-                             f"mesh has {ndim} axes; give one role per axis or a single role")
+            raise ValueError(
+                f"strategy={self.strategy!r} names {len(roles)} axis roles but the "
+                f"mesh has {ndim} axes; give one role per axis or a single role"
+            )
         for r in roles:
             if r not in ROLES:
                 raise ValueError(f"unknown strategy '{r}'; choose from {', '.join(ROLES)}")
@@ -56,14 +58,20 @@ class SearchOptions:
         return self.strategy if isinstance(self.strategy, str) else "x".join(self.strategy)
 
 
-def apply_pins(captured: Captured, strats: dict[fx.Node, list[NodeStrategy]],
-               options: SearchOptions, mesh: DeviceMesh) -> dict[fx.Node, list[NodeStrategy]]:
+def apply_pins(
+    captured: Captured,
+    strats: dict[fx.Node, list[NodeStrategy]],
+    options: SearchOptions,
+    mesh: DeviceMesh,
+) -> dict[fx.Node, list[NodeStrategy]]:
     roles = options.roles(mesh.ndim)
     names = {**captured.params, **captured.buffers, **{n: n for n in captured.user_inputs}}
     unknown = set(options.placements) - set(names.values())
     if unknown:
-        raise ValueError(f"placements= names {sorted(unknown)}, which the model does not have; "
-                         f"known names: {sorted(names.values())[:8]}...")
+        raise ValueError(
+            f"placements= names {sorted(unknown)}, which the model does not have; "
+            f"known names: {sorted(names.values())[:8]}..."
+        )
     out = dict(strats)
     for n in captured.placeholders():
         if n not in strats:
@@ -76,20 +84,28 @@ def apply_pins(captured: Captured, strats: dict[fx.Node, list[NodeStrategy]],
             allowed = [s for s in strats[n] if tuple(s.outputs[0]) == tuple(want)]
         if not allowed:
             choices = sorted({spec_str(s.outputs[0]) for s in strats[n]})
-            raise ValueError(f"no placement of '{fqn}' (shape {tuple(n.meta['val'].shape)}) "
-                             f"satisfies strategy={options.strategy!r} / placements=; "
-                             f"possible placements: {choices}")
+            raise ValueError(
+                f"no placement of '{fqn}' (shape {tuple(n.meta['val'].shape)}) "
+                f"satisfies strategy={options.strategy!r} / placements=; "
+                f"possible placements: {choices}"
+            )
         out[n] = allowed
     _pin_compute(captured, out, roles)
     return out
 
 
-MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-           aten.scaled_dot_product_attention.default}
+MATMULS = {
+    aten.mm.default,
+    aten.addmm.default,
+    aten.bmm.default,
+    aten.baddbmm.default,
+    aten.scaled_dot_product_attention.default,
+}
 
 
-def _pin_compute(captured: Captured, strats: dict[fx.Node, list[NodeStrategy]],
-                 roles: tuple[str, ...]) -> None:
+def _pin_compute(
+    captured: Captured, strats: dict[fx.Node, list[NodeStrategy]], roles: tuple[str, ...]
+) -> None:
     """dp/fsdp axes split every batch-derived node; tp axes split every batch-derived matmul."""
     for n in _batch_derived(captured):
         if n not in strats or n.op != "call_function":
@@ -102,8 +118,9 @@ def _pin_compute(captured: Captured, strats: dict[fx.Node, list[NodeStrategy]],
 
 
 def _splits(s: NodeStrategy, axis: int) -> bool:
-    return any(sp is not None and not isinstance(sp[axis], Replicate)
-               for sp in (*s.inputs, *s.outputs))
+    return any(
+        sp is not None and not isinstance(sp[axis], Replicate) for sp in (*s.inputs, *s.outputs)
+    )
 
 
 def _batch_derived(captured: Captured) -> list[fx.Node]:

@@ -12,8 +12,15 @@ from autopar.passes.strategies import NodeStrategy
 from autopar.plan import NodePlan, Plan, TensorPlan, spec_str
 
 
-def assemble_plan(captured: Captured, cluster: Cluster, chosen: dict[fx.Node, NodeStrategy],
-                  strategy: str, step_time: float, peak_memory: float, solver: dict) -> Plan:
+def assemble_plan(
+    captured: Captured,
+    cluster: Cluster,
+    chosen: dict[fx.Node, NodeStrategy],
+    strategy: str,
+    step_time: float,
+    peak_memory: float,
+    solver: dict,
+) -> Plan:
     nodes = []
     tensors = []
     names = {**captured.params, **captured.buffers}
@@ -24,18 +31,36 @@ def assemble_plan(captured: Captured, cluster: Cluster, chosen: dict[fx.Node, No
         if n.op == "placeholder":
             val = n.meta["val"]
             kind = n.meta.get("autopar_role", "input")
-            tensors.append(TensorPlan(name=n.name, fqn=names.get(n.name, n.name), kind=kind,
-                                      spec=spec_str(s.outputs[0]), shape=tuple(val.shape),
-                                      dtype=str(val.dtype).removeprefix("torch.")))
+            tensors.append(
+                TensorPlan(
+                    name=n.name,
+                    fqn=names.get(n.name, n.name),
+                    kind=kind,
+                    spec=spec_str(s.outputs[0]),
+                    shape=tuple(val.shape),
+                    dtype=str(val.dtype).removeprefix("torch."),
+                )
+            )
         elif n.op == "call_function":
-            nodes.append(NodePlan(name=n.name, op=_op_name(n),
-                                  inputs=tuple(spec_str(i) for i in s.inputs),
-                                  outputs=tuple(spec_str(o) for o in s.outputs),
-                                  layer=layer_of(n)))
-    return Plan(graph_fingerprint=captured.fingerprint, cluster=cluster.to_dict(),
-                strategy=strategy, nodes=tuple(nodes), tensors=tuple(tensors),
-                predicted_step_time=float(step_time), predicted_peak_memory=float(peak_memory),
-                solver=solver)
+            nodes.append(
+                NodePlan(
+                    name=n.name,
+                    op=_op_name(n),
+                    inputs=tuple(spec_str(i) for i in s.inputs),
+                    outputs=tuple(spec_str(o) for o in s.outputs),
+                    layer=layer_of(n),
+                )
+            )
+    return Plan(
+        graph_fingerprint=captured.fingerprint,
+        cluster=cluster.to_dict(),
+        strategy=strategy,
+        nodes=tuple(nodes),
+        tensors=tuple(tensors),
+        predicted_step_time=float(step_time),
+        predicted_peak_memory=float(peak_memory),
+        solver=solver,
+    )
 
 
 def _op_name(n: fx.Node) -> str:

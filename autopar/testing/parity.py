@@ -72,8 +72,12 @@ def run_parity(cases: list[ParityCase], world_size: int) -> list[ParityResult]:
     """Run every case on `world_size` spawned gloo ranks; rank results merged (worst)."""
     with tempfile.TemporaryDirectory() as tmp:
         port = _free_port()
-        mp.spawn(_worker, args=(world_size, port, [asdict(c) for c in cases], tmp),
-                 nprocs=world_size, join=True)
+        mp.spawn(
+            _worker,
+            args=(world_size, port, [asdict(c) for c in cases], tmp),
+            nprocs=world_size,
+            join=True,
+        )
         per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)]
     return [_merge([ParityResult(**rank[i]) for rank in per_rank]) for i in range(len(cases))]
 
@@ -95,10 +99,16 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out_dir: str) -
     results = []
     try:
         for raw in cases:
-            case = ParityCase(**{**raw, "mesh": tuple(raw["mesh"]),
-                                 "axis_names": tuple(raw["axis_names"]),
-                                 "strategy": raw["strategy"] if isinstance(raw["strategy"], str)
-                                 else tuple(raw["strategy"])})
+            case = ParityCase(
+                **{
+                    **raw,
+                    "mesh": tuple(raw["mesh"]),
+                    "axis_names": tuple(raw["axis_names"]),
+                    "strategy": raw["strategy"]
+                    if isinstance(raw["strategy"], str)
+                    else tuple(raw["strategy"]),
+                }
+            )
             try:
                 results.append(asdict(run_case(case)))
             except Exception:
@@ -159,11 +169,19 @@ def run_case(case: ParityCase) -> ParityResult:
     model, batch = _build(case)
     ref_losses, ref_grads, ref_params = reference_run(model, batch, case.steps)
     cluster = autopar.Cluster.local(mesh=case.mesh, axis_names=case.axis_names)
-    pm = autopar.compile(model, batch, cluster=cluster, strategy=case.strategy,
-                         optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR))
-    res = ParityResult(case.label, ref_losses=ref_losses,
-                       roles=dict(zip(case.axis_names, axis_roles(pm.plan), strict=True)),
-                       param_specs={t.fqn: t.spec for t in pm.plan.tensors if t.kind == "param"})
+    pm = autopar.compile(
+        model,
+        batch,
+        cluster=cluster,
+        strategy=case.strategy,
+        optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
+    )
+    res = ParityResult(
+        case.label,
+        ref_losses=ref_losses,
+        roles=dict(zip(case.axis_names, axis_roles(pm.plan), strict=True)),
+        param_specs={t.fqn: t.spec for t in pm.plan.tensors if t.kind == "param"},
+    )
     specs = {t.fqn: parse_spec(t.spec) for t in pm.plan.tensors if t.kind == "param"}
     for step in range(case.steps):
         loss = float(pm.forward_backward(*batch))
@@ -174,8 +192,7 @@ def run_case(case: ParityCase) -> ParityResult:
             res.grad_abs_err = max(res.grad_abs_err, err)
             res.grad_err = max(res.grad_err, err / (want.abs().max().item() + 1e-12))
         pm.optimizer_step()
-    res.loss_rel_err = max(abs(a - b) / abs(b) for a, b in zip(res.losses, ref_losses,
-                                                                 strict=True))
+    res.loss_rel_err = max(abs(a - b) / abs(b) for a, b in zip(res.losses, ref_losses, strict=True))
     full = pm.full_state_dict()
     res.param_err = max((full[k] - v).abs().max().item() for k, v in ref_params.items())
     res.ddp_param_err = ddp_param_error(model, batch, case.steps, ref_params)
