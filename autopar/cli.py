@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 
 from autopar.cluster import PRESETS, Cluster
-from autopar.cost_models.comm import Collective, _plan, transition_kind
+from autopar.cost_models.comm import Collective, redistribute_plan, transition_kind
 from autopar.cost_models.memory import local_numel
 from autopar.plan import NodePlan, Plan, TensorPlan, parse_spec
 from autopar.plan_views import axis_roles
@@ -271,7 +271,7 @@ def edge_collectives(
     """
     parts = []
     itemsize = getattr(torch, dtype).itemsize if dtype else 0
-    for axis, before, cur, tgt in _plan(parse_spec(src), parse_spec(dst), mesh_shape):
+    for axis, before, cur, tgt in redistribute_plan(parse_spec(src), parse_spec(dst), mesh_shape):
         kind = transition_kind(cur, tgt)
         if kind is None:
             return f"{src}→{dst} unsupported"

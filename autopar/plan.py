@@ -66,6 +66,23 @@ class NodePlan:
     inputs: tuple[str | None, ...]
     outputs: tuple[str | None, ...]
     layer: str | None = None
+    args: tuple[str, ...] = ()  # the node or tensor producing each input, by name
+    shapes: tuple[tuple[int, ...] | None, ...] = ()  # global shape per output
+    dtypes: tuple[str | None, ...] = ()
+
+
+def _node_plan(raw: dict) -> NodePlan:
+    shapes = tuple(None if s is None else tuple(s) for s in raw.get("shapes", ()))
+    return NodePlan(
+        **{
+            **raw,
+            "inputs": tuple(raw["inputs"]),
+            "outputs": tuple(raw["outputs"]),
+            "args": tuple(raw.get("args", ())),
+            "shapes": shapes,
+            "dtypes": tuple(raw.get("dtypes", ())),
+        }
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,10 +147,7 @@ class Plan:
             graph_fingerprint=data["graph_fingerprint"],
             cluster=data["cluster"],
             strategy=data["strategy"],
-            nodes=tuple(
-                NodePlan(**{**n, "inputs": tuple(n["inputs"]), "outputs": tuple(n["outputs"])})
-                for n in data["nodes"]
-            ),
+            nodes=tuple(_node_plan(n) for n in data["nodes"]),
             tensors=tuple(TensorPlan(**{**t, "shape": tuple(t["shape"])}) for t in data["tensors"]),
             predicted_step_time=data["predicted_step_time"],
             predicted_peak_memory=data["predicted_peak_memory"],

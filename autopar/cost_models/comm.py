@@ -54,6 +54,7 @@ from autopar.cost_models.memory import local_numel, shard_dim
 __all__ = [
     "Collective",
     "collective_time",
+    "redistribute_plan",
     "redistribute_steps",
     "redistribute_time",
     "send_recv_time",
@@ -128,7 +129,7 @@ def transition_kind(cur: Any, tgt: Any) -> Collective | None:
     return Collective.LOCAL if cur.is_replicate() else None
 
 
-def _plan(
+def redistribute_plan(
     src: Sequence[Any], dst: Sequence[Any], mesh_shape: Sequence[int] | None
 ) -> list[tuple[int, tuple[Any, ...], Any, Any]]:
     """DTensor's greedy step order: ``(axis, spec before the step, cur, tgt)`` per step."""
@@ -175,7 +176,7 @@ def redistribute_steps(
     Raises ``ValueError`` for transitions DTensor cannot perform (Shard -> Partial, ...).
     """
     out = []
-    for axis, _, cur, tgt in _plan(src, dst, mesh_shape):
+    for axis, _, cur, tgt in redistribute_plan(src, dst, mesh_shape):
         kind = transition_kind(cur, tgt)
         if kind is None:
             raise ValueError(f"DTensor cannot redistribute {cur} -> {tgt} (mesh axis {axis})")
@@ -196,7 +197,7 @@ def redistribute_time(
     Returns ``math.inf`` when DTensor cannot perform the transition (callers forbid the pair).
     """
     total = 0.0
-    for axis, before, cur, tgt in _plan(src, dst, cluster.mesh_shape):
+    for axis, before, cur, tgt in redistribute_plan(src, dst, cluster.mesh_shape):
         kind = transition_kind(cur, tgt)
         if kind is None:
             return math.inf

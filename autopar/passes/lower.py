@@ -77,9 +77,10 @@ class PlacedInterpreter(fx.Interpreter):
         for i, want in zip(tensor_positions, wanted, strict=False):
             flat[i] = self._place(flat[i], parse_spec(want), has_dtensor)
         args, kwargs = tree_unflatten(flat, spec)
-        if n.target in VIEWS:
-            args = (_contiguous_local(args[0]), *args[1:])
-        out = n.target(*args, **kwargs)
+        if n.target in VIEWS and isinstance(args[0], DTensor):
+            out = _ShardSafeView.apply(_contiguous_local(args[0]), args[1])
+        else:
+            out = n.target(*args, **kwargs)
         return self._check_output(n, out, node_plan)
 
     def _place(self, value: torch.Tensor, want, has_dtensor: bool) -> torch.Tensor:
@@ -120,6 +121,23 @@ def _contiguous_local(x):
     if isinstance(x, DTensor) and not x._local_tensor.is_contiguous():
         return torch.ops.aten.clone.default(x, memory_format=torch.contiguous_format)
     return x
+
+
+class _ShardSafeView(torch.autograd.Function):
+    """view() whose backward copies a gradient shard that is not contiguous.
+
+    DTensor's global strides describe the unsharded tensor; a redistribution (e.g. the
+    all-gather of a head-sharded attention gradient) can return a shard laid out otherwise,
+    and autograd's `grad.reshape(...)` would then pick a view the shard cannot take."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor, shape):
+        ctx.in_shape = x.shape
+        return torch.ops.aten.view.default(x, shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.ops.aten.view.default(_contiguous_local(grad), ctx.in_shape), None
 
 
 def _wrap(local: torch.Tensor, spec, shape: Sequence[int], mesh: DeviceMesh) -> DTensor:

@@ -3,13 +3,14 @@
 `strategy` names a role per mesh axis ("dp", "fsdp", "tp", "auto"); one name applies to
 every axis. A role pins only what defines it and leaves the rest to the ILP:
 
-    dp    user inputs Shard(0) (batch) on the axis; parameters Replicate; no node computed
-          from the batch is replicated on the axis (else gathering the batch once and
-          computing redundantly would pass for "DP")
+    dp    user inputs Shard(0) (batch) on the axis; parameters Replicate; every tensor
+          computed from the batch stays batch-sharded on the axis (else gathering the batch
+          once and computing redundantly, or switching to TP, would pass for "DP")
     fsdp  as dp, but parameters Shard(0) (ZeRO-3: stored sharded, gathered for use)
     tp    user inputs Replicate; every parameter of 2+ dims sharded on the axis (which dim,
           column or row, is the ILP's choice); every matmul computed from the batch split
-          on the axis
+          over features on the axis (else token-splitting with gathered weights, i.e. FSDP,
+          would pass for "TP")
     auto  nothing pinned
 
 `placements` pins single parameters (or inputs) by name: {"lm_head.weight": "S(0),R"}.
@@ -106,15 +107,41 @@ MATMULS = {
 def _pin_compute(
     captured: Captured, strats: dict[fx.Node, list[NodeStrategy]], roles: tuple[str, ...]
 ) -> None:
-    """dp/fsdp axes split every batch-derived node; tp axes split every batch-derived matmul."""
+    """dp/fsdp axes keep every batch-derived tensor batch-sharded (Shard(0); a 0-d loss may be
+    Partial); tp axes split every batch-derived matmul over its features (column: output
+    Shard(last), row: Partial). A node with no such strategy keeps its choices."""
     for n in _batch_derived(captured):
         if n not in strats or n.op != "call_function":
             continue
         for axis, role in enumerate(roles):
-            if role in ("dp", "fsdp") or (role == "tp" and n.target in MATMULS):
-                split = [s for s in strats[n] if _splits(s, axis)]
-                if split:
-                    strats[n] = split
+            if role in ("dp", "fsdp"):
+                keep = [s for s in strats[n] if _batch_sharded(s, n, axis)]
+            elif role == "tp" and n.target in MATMULS:
+                keep = [s for s in strats[n] if _feature_split(s, axis)]
+            else:
+                continue
+            if keep:
+                strats[n] = keep
+
+
+def _batch_sharded(s: NodeStrategy, n: fx.Node, axis: int) -> bool:
+    vals = n.meta.get("val")
+    vals = vals if isinstance(vals, (tuple, list)) else (vals,)
+    for spec, val in zip(s.outputs, vals, strict=False):
+        if spec is None or not isinstance(val, torch.Tensor):
+            continue
+        p = spec[axis]
+        if not (p == Shard(0) or (val.ndim == 0 and p.is_partial())):
+            return False
+    return True
+
+
+def _feature_split(s: NodeStrategy, axis: int) -> bool:
+    """Split over features (Shard of a dim past the token dim 0, or Partial), not tokens."""
+    out = s.outputs[0] if s.outputs else None
+    return out is not None and (
+        out[axis].is_partial() or (isinstance(out[axis], Shard) and out[axis].dim > 0)
+    )
 
 
 def _splits(s: NodeStrategy, axis: int) -> bool:

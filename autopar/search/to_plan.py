@@ -8,6 +8,7 @@ import torch.fx as fx
 from autopar.capture import Captured
 from autopar.capture.export import layer_of
 from autopar.cluster import Cluster
+from autopar.passes.lower import tensor_args
 from autopar.passes.strategies import NodeStrategy
 from autopar.plan import NodePlan, Plan, TensorPlan, spec_str
 
@@ -49,6 +50,9 @@ def assemble_plan(
                     inputs=tuple(spec_str(i) for i in s.inputs),
                     outputs=tuple(spec_str(o) for o in s.outputs),
                     layer=layer_of(n),
+                    args=tuple(a.name for a in tensor_args(n)),
+                    shapes=tuple(_shape(v) for v in _vals(n)),
+                    dtypes=tuple(_dtype(v) for v in _vals(n)),
                 )
             )
     return Plan(
@@ -61,6 +65,19 @@ def assemble_plan(
         predicted_peak_memory=float(peak_memory),
         solver=solver,
     )
+
+
+def _vals(n: fx.Node) -> tuple:
+    val = n.meta.get("val")
+    return tuple(val) if isinstance(val, (tuple, list)) else (val,)
+
+
+def _shape(v) -> tuple[int, ...] | None:
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _dtype(v) -> str | None:
+    return str(v.dtype).removeprefix("torch.") if isinstance(v, torch.Tensor) else None
 
 
 def _op_name(n: fx.Node) -> str:
