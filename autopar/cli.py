@@ -486,6 +486,9 @@ def run_cmd(
     steps: Annotated[int, typer.Option("--steps", min=1)] = 5,
     config: ConfigOpt = "tiny",
     batch_size: BatchOpt = 8,
+    plan: Annotated[
+        Path | None, typer.Option("--plan", help="apply this saved plan instead of searching")
+    ] = None,
 ) -> None:
     """Train SAMPLE on NPROC local gloo processes and compare with single-device training."""
     load_sample(sample, config)
@@ -512,6 +515,10 @@ def run_cmd(
         "--steps",
         str(steps),
     ]
+    if plan is not None:
+        if not plan.is_file():
+            fail(f"--plan {plan}: no such file")
+        args += ["--plan", str(plan.resolve())]
     with tempfile.TemporaryDirectory(prefix="autopar-run-") as tmp:
         env = {
             **os.environ,

@@ -138,3 +138,14 @@ def test_forced_strategy_must_name_known_roles() -> None:
         autopar.plan(model, batch, cluster=Cluster.preset("cpu", mesh=(2,)), strategy="zero")
     with pytest.raises(ValueError, match="names 2 axis roles but the mesh has 1"):
         autopar.plan(model, batch, cluster=Cluster.preset("cpu", mesh=(2,)), strategy=("dp", "tp"))
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_fingerprint_does_not_depend_on_the_device(name: str) -> None:
+    """A plan made on the meta device (`autopar plan`) applies to the real model."""
+    sample = get_sample(name)
+    prints = []
+    for device in (None, "meta"):
+        model = sample.build("tiny", device=device)
+        prints.append(capture(model, sample.example_batch(model, 8, device=device)).fingerprint)
+    assert prints[0] == prints[1]

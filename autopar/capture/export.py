@@ -78,6 +78,7 @@ def capture(model: nn.Module, args: Sequence, loss_fn: Callable | None = None) -
     captured = _roles(ep, root)
     _merge_tied(captured, root)
     _drop_asserts(captured.gm)
+    _drop_clones(captured.gm)
     if loss_fn is not None:
         _strip_prefix(captured, "model.")
     captured.fingerprint = graph_fingerprint(captured)
@@ -194,6 +195,18 @@ def _drop_asserts(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _drop_clones(gm: fx.GraphModule) -> None:
+    """The graph is functional, so clone() only fixes memory layout, which depends on the
+    device (CPU flash attention returns a transposed layout, meta does not): dropping it
+    makes the graph, and its fingerprint, the same on every device. Lowering copies a shard
+    where a view needs it."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target == aten.clone.default:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
 def _strip_prefix(captured: Captured, prefix: str) -> None:
     """Names as the user's model has them (not the loss wrapper's)."""
     captured.params = {k: v.removeprefix(prefix) for k, v in captured.params.items()}
@@ -227,9 +240,16 @@ def graph_fingerprint(captured: Captured) -> str:
 
 
 def _arg_repr(n: fx.Node, index: dict[fx.Node, int]) -> str:
+    """Arguments by position; devices left out (a plan made on the meta device applies to
+    the same model on CPU or GPU)."""
     flat: list[str] = []
-    fx.node.map_aggregate(
-        (n.args, n.kwargs),
-        lambda a: flat.append(f"%{index[a]}" if isinstance(a, fx.Node) else repr(a)) or a,
-    )
+
+    def one(a):
+        if isinstance(a, fx.Node):
+            flat.append(f"%{index[a]}")
+        elif not isinstance(a, torch.device):
+            flat.append(repr(a))
+        return a
+
+    fx.node.map_aggregate((n.args, n.kwargs), one)
     return ",".join(flat)

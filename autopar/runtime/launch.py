@@ -30,6 +30,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--axis-names", default="dp,tp")
     p.add_argument("--strategy", default="auto", help="auto|dp|fsdp|tp or per axis: dp,tp")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--plan", default=None, help="apply this saved plan instead of searching")
     return p.parse_args(argv)
 
 
@@ -65,6 +66,7 @@ def train(args: argparse.Namespace, rank: int) -> None:
         cluster=cluster,
         strategy=strategy[0] if len(strategy) == 1 else strategy,
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
+        plan=args.plan,
     )
     if rank == 0:
         print(pm.plan.summary(), flush=True)
