@@ -153,7 +153,7 @@ def test_step_order_matches_dtensor() -> None:
                     DTensorSpec(mesh, dst, tensor_meta=meta),
                 )
                 theirs = [(i.mesh_dim, *i.src_dst_placements) for i in infos]
-                ours = [(a, c, t) for a, _, c, t in comm._plan(src, dst, mesh_shape)]
+                ours = [(a, c, t) for a, _, c, t in comm.redistribute_plan(src, dst, mesh_shape)]
                 assert ours == theirs, (src, dst)
     finally:
         dist.destroy_process_group()

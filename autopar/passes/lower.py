@@ -119,7 +119,8 @@ def _contiguous_local(x):
     """A view of the global tensor need not be a view of a shard (a head-sharded attention
     output is not contiguous where the global one is): copy the shard only then."""
     if isinstance(x, DTensor) and not x._local_tensor.is_contiguous():
-        return torch.ops.aten.clone.default(x, memory_format=torch.contiguous_format)
+        # _to_copy keeps a Partial partial (DTensor's clone reduces it first)
+        return torch.ops.aten._to_copy.default(x, memory_format=torch.contiguous_format)
     return x
 
 
