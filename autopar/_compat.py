@@ -7,6 +7,10 @@ here is re-exported through `__all__` (so linters keep it).
 
 from __future__ import annotations
 
+# pipeline stages: AOTAutograd splits a stage's traced program into forward and backward
+# graphs behind one autograd.Function (the schedules drive forward and backward separately).
+from torch._functorch.aot_autograd import aot_function
+
 # strategies (autopar/passes/strategies): DTensor's sharding-strategy registry and its schema
 # types, placeholder dims in DTensor's single-mesh-dim rules, tuple (list-of-tensor)
 # strategies, the vocab-parallel embedding partial, the full-mesh expansion helper used to
@@ -55,6 +59,7 @@ __all__ = [
     "ShardingPlaceholder",
     "TensorMeta",
     "TupleStrategy",
+    "aot_function",
     "dtensor_math_ops",
     "dtensor_matrix_ops",
     "dtensor_ops_utils",

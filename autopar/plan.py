@@ -98,6 +98,29 @@ class TensorPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class PipelinePlan:
+    """The inter-op half: stages over the `pp` mesh axis and their schedule.
+
+    `stage_cuts[s]` is the index (in graph order) of the first layer of stage s; the node
+    placements of the plan apply to every stage's submesh `stage_mesh` (named
+    `stage_axis_names`). Stage s runs on pipeline rank `rank_of_stage[s]`."""
+
+    pp: int
+    stage_cuts: tuple[int, ...]
+    layers: tuple[str, ...]
+    schedule: str
+    microbatches: int
+    stage_mesh: tuple[int, ...]
+    stage_axis_names: tuple[str, ...]
+    rank_of_stage: tuple[int, ...]
+    timeline: tuple[str, ...] = ()  # text rows, one per pipeline rank (see search/schedules)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> PipelinePlan:
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     graph_fingerprint: str
     cluster: dict
@@ -107,6 +130,7 @@ class Plan:
     predicted_step_time: float
     predicted_peak_memory: float
     solver: dict = field(default_factory=dict)
+    pipeline: PipelinePlan | None = None
     schema_version: int = SCHEMA_VERSION
 
     # ---- lookups -------------------------------------------------------------------
@@ -117,6 +141,27 @@ class Plan:
     @property
     def axis_names(self) -> tuple[str, ...]:
         return tuple(self.cluster["axis_names"])
+
+    @property
+    def stage_mesh_shape(self) -> tuple[int, ...]:
+        """The mesh the node placements are for (the whole mesh without pipelining)."""
+        return self.pipeline.stage_mesh if self.pipeline else self.mesh_shape
+
+    @property
+    def stage_axis_names(self) -> tuple[str, ...]:
+        return self.pipeline.stage_axis_names if self.pipeline else self.axis_names
+
+    @property
+    def stage_cuts(self) -> tuple[int, ...]:
+        return self.pipeline.stage_cuts if self.pipeline else (0,)
+
+    @property
+    def schedule(self) -> str:
+        return self.pipeline.schedule if self.pipeline else "none"
+
+    @property
+    def microbatches(self) -> int:
+        return self.pipeline.microbatches if self.pipeline else 1
 
     def node(self, name: str) -> NodePlan:
         return self._node_index()[name]
@@ -152,6 +197,7 @@ class Plan:
             predicted_step_time=data["predicted_step_time"],
             predicted_peak_memory=data["predicted_peak_memory"],
             solver=data.get("solver", {}),
+            pipeline=PipelinePlan.from_dict(data["pipeline"]) if data.get("pipeline") else None,
         )
         if stored_hash is not None and stored_hash != plan.content_hash:
             raise ValueError(

@@ -23,12 +23,15 @@ of non-ignored rows ``n`` (as PyTorch does, also for the smoothing term), ``"sum
 Algorithm (Liger-Kernel's): rows are processed in chunks of ``chunk_rows`` (default: the
 chunk's logits take about ``CHUNK_LOGIT_BYTES``). Per chunk, a GEMM (torch) makes the logits;
 one Triton program per row runs an online max/log-sum-exp over the vocabulary in blocks,
-writes ``loss_i``, and overwrites the logits buffer in place with ``dz`` (no second ``[rows,
-V]`` buffer); two more GEMMs accumulate ``dx`` for the chunk and ``dW`` (and ``db``) in fp32.
-So the gradients are computed during the forward pass, and backward only multiplies them by
-the incoming scalar gradient. Peak extra memory is one chunk of logits plus an fp32 ``[V, H]``
-accumulator, instead of several ``[N, V]`` tensors. When gradients are not needed
-(``compute_grad=False``, e.g. under ``no_grad``) only the loss is computed.
+writes ``loss_i``, and overwrites the logits buffer in place with ``dz`` already multiplied by
+the reduction's ``1/n`` (read from a device scalar: no host sync); two more GEMMs write ``dx``
+for the chunk and accumulate ``dW`` (and ``db``) in fp32. So the gradients are computed during
+the forward pass, and backward only multiplies them by the incoming scalar gradient. Peak
+extra memory is one chunk of logits (plus a same-size temporary) and the fp32 ``[V, H]``
+accumulator (kept as the saved ``grad_weight``; backward's product with the scalar is a
+second ``[V, H]``), instead of about three ``[N, V]`` tensors. When gradients are not needed
+(``compute_grad=False``, e.g. under ``no_grad``) only the loss is computed. Double backward
+is not supported (the saved gradients are constants to autograd).
 
 Backends: the Triton kernel when it can run on the inputs (CUDA, or CPU tensors under
 ``TRITON_INTERPRET=1``); otherwise :func:`_ce_rows_torch`, a pure-PyTorch version of the same
@@ -192,7 +195,7 @@ def auto_chunk_rows(n_rows: int, vocab: int, elem_size: int) -> int:
 def _accumulate_chunk(
     x_c: Tensor, weight: Tensor, dz: Tensor, grads: tuple[Tensor, Tensor, Tensor | None]
 ) -> None:
-    """Add the chunk's ``dx = dz W``, ``dW += dz^T x``, ``db += sum dz`` (unscaled)."""
+    """Write the chunk's ``dx = dz W``; add ``dz^T x`` to ``dW`` and ``sum dz`` to ``db``."""
     grad_x_c, grad_w_acc, grad_b_acc = grads
     torch.mm(dz, weight, out=grad_x_c)
     if grad_w_acc.dtype == dz.dtype:

@@ -74,6 +74,7 @@ def _function(x, w, t, b, smoothing, reduction, chunk):
 @pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
 @pytest.mark.parametrize("smoothing,reduction,bias,chunk", OPTIONS)
 def test_full_gpt2_vocab(smoothing, reduction, bias, chunk, dtype, atol, rtol) -> None:
+    assert lce._triton_runs_on(torch.empty(1))  # the Triton kernel, not the fallback
     _check(_op, 37, 19, 50257, dtype, atol, rtol, smoothing, reduction, bias, chunk)
 
 
@@ -101,6 +102,15 @@ def test_no_grad_and_leading_dims() -> None:
     assert gx.numel() == gw.numel() == gb.numel() == 0
     with pytest.raises(ValueError, match="reduction"):
         linear_cross_entropy(x, w, t, reduction="none")
+
+
+def test_frozen_weight_gets_no_grad() -> None:
+    x, w, _, t = _inputs(9, 5, 33, torch.float32, False)
+    w.requires_grad_(False)
+    linear_cross_entropy(x, w, t).backward()
+    assert w.grad is None
+    (want,) = torch.autograd.grad(linear_cross_entropy_reference(x, w, t), x)
+    torch.testing.assert_close(x.grad, want)
 
 
 def test_is_one_node_in_forward_and_joint_graphs() -> None:

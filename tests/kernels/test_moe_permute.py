@@ -20,6 +20,7 @@ import torch  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
 from autopar.kernels.moe_permute import (  # noqa: E402
+    MAX_BLOCK_H,
     MoePermuteFunction,
     MoeUnpermuteFunction,
     moe_permute,
@@ -102,6 +103,14 @@ def test_autograd_functions_and_same_dtype_gates(dtype, atol, rtol) -> None:
     assert torch.equal(out, moe_permute_reference(x, idx, SHAPES[0][2])[0])
     (dx,) = torch.autograd.grad(out, x, torch.ones_like(out))
     torch.testing.assert_close(dx, torch.full_like(x, SHAPES[0][1]))
+
+
+def test_hidden_wider_than_one_block() -> None:
+    """H > MAX_BLOCK_H: the kernels loop over column blocks (and the gate-grad dot too)."""
+    shape = (3, 2, 3, MAX_BLOCK_H + 5)
+    _check_unpermute(moe_unpermute, shape, torch.float32, 1e-5, 1e-5, True, torch.float32)
+    x, idx, _ = _inputs(shape, torch.float32)
+    assert torch.equal(moe_permute(x, idx, 3)[0], moe_permute_reference(x, idx, 3)[0])
 
 
 def test_round_trip_and_errors() -> None:

@@ -1,0 +1,133 @@
+"""Pipeline-parallel runtime: stage programs under torch.distributed.pipelining schedules.
+
+The world mesh is `(pp, *stage_mesh)`. Each pipeline rank holds one stage (GPipe, 1F1B) or
+several virtual stages (interleaved: stages r, r+pp, ...; V-shaped schedules: r and
+2pp-1-r). A stage is a `StageModule`: its local parameter shards and a program made by
+AOTAutograd from the same DTensor interpretation as the non-pipelined lowering (forward and
+backward graphs of local ops and functional collectives on the stage's submesh, no DTensor
+dispatch when it runs). Activations travel between stages as local shards in the
+producing node's placement; the receiving program wraps them back and reshards if its plan
+says so. The global batch is cut into microbatches *before* sharding, so microbatch i is
+the same rows whatever the data-parallel degree.
+
+A parameter used by two stages (a tied embedding and head) lives in both; after the
+schedule ran, its gradients are summed over the pipeline axis (non-owners add zeros).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+from autopar._compat import aot_function
+from autopar.cost_models.memory import local_shape
+from autopar.passes.lower import PlacedInterpreter, _wrap
+from autopar.passes.stages import StageGraph
+from autopar.plan import Plan, parse_spec
+from autopar.runtime.shards import local_chunk
+
+SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", 1),
+    "1f1b": ("Schedule1F1B", 1),
+    "interleaved1f1b": ("ScheduleInterleaved1F1B", 2),
+    "interleavedzb": ("ScheduleInterleavedZeroBubble", 2),
+    "zbv": ("ScheduleZBVZeroBubble", 2),
+    "dualpipev": ("ScheduleDualPipeV", 2),
+}
+V_SHAPED = {"zbv", "dualpipev"}
+
+
+def stage_ranks(schedule: str, pp: int) -> list[int]:
+    """Pipeline rank of every stage."""
+    virtual = SCHEDULES[schedule][1]
+    n = pp * virtual
+    if schedule in V_SHAPED:
+        return [s if s < pp else n - 1 - s for s in range(n)]
+    return [s % pp for s in range(n)]
+
+
+def _identity_compiler(gm, _example_inputs):
+    return gm
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: local shards as parameters, an AOTAutograd-compiled program."""
+
+    def __init__(
+        self, stage: StageGraph, plan: Plan, mesh: DeviceMesh, full_state: dict[str, torch.Tensor]
+    ):
+        super().__init__()
+        self.stage = stage
+        tensors = {t.name: t for t in plan.tensors}
+        self.shards = nn.ParameterList(
+            nn.Parameter(local_chunk(full_state[n], parse_spec(tensors[n].spec), mesh))
+            for n in stage.params
+        )
+        for i, n in enumerate(stage.buffers):
+            self.register_buffer(
+                f"b{i}",
+                local_chunk(full_state[n], parse_spec(tensors[n].spec), mesh),
+                persistent=False,
+            )
+        self._specs = [boundary_spec(plan, n) for n in stage.params + stage.buffers + stage.inputs]
+        self._shapes = [global_shape(stage, n) for n in stage.params + stage.buffers + stage.inputs]
+        self._out_specs = [None if n == "loss" else boundary_spec(plan, n) for n in stage.outputs]
+        interp = PlacedInterpreter(stage.gm, plan, mesh)
+
+        def program(*locals_):
+            env = [
+                _wrap(x, spec, shape, mesh)
+                for x, spec, shape in zip(locals_, self._specs, self._shapes, strict=True)
+            ]
+            outs = interp.run(*env, enable_io_processing=False)
+            outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+            return tuple(
+                _to_local(o, spec, mesh) for o, spec in zip(outs, self._out_specs, strict=True)
+            )
+
+        self._program = aot_function(
+            program, fw_compiler=_identity_compiler, bw_compiler=_identity_compiler
+        )
+
+    def forward(self, *inputs: torch.Tensor):
+        buffers = [getattr(self, f"b{i}") for i in range(len(self.stage.buffers))]
+        outs = self._program(*self.shards, *buffers, *inputs)
+        return outs[0] if len(outs) == 1 else outs
+
+
+def _to_local(value, spec, mesh: DeviceMesh) -> torch.Tensor:
+    if not isinstance(value, DTensor):
+        return value
+    if spec is None:  # the loss: one replicated scalar
+        return value.full_tensor()
+    if tuple(value.placements) != tuple(spec):
+        value = value.redistribute(mesh, spec)
+    return value.to_local()
+
+
+def boundary_spec(plan: Plan, name: str):
+    """How a value crossing a stage boundary (or entering one) is sharded: its producer's
+    planned output, with a Partial reduced (stages exchange complete values)."""
+    for t in plan.tensors:
+        if t.name == name:
+            return parse_spec(t.spec)
+    node = plan.node(name)
+    spec = parse_spec(node.outputs[0])
+    return tuple(Replicate() if p.is_partial() else p for p in spec)
+
+
+def global_shape(stage: StageGraph, name: str) -> tuple[int, ...]:
+    node = next(n for n in stage.gm.graph.nodes if n.op == "placeholder" and n.name == name)
+    return tuple(node.meta["val"].shape)
+
+
+def _example(stage: StageGraph, plan: Plan, names: list[str], mesh: DeviceMesh):
+    out = []
+    vals = {n.name: n.meta.get("val") for n in stage.gm.graph.nodes}
+    for name in names:
+        val = vals[name]
+        shape = local_shape(tuple(val.shape), boundary_spec(plan, name), mesh.shape)
+        out.append(torch.zeros(shape, dtype=val.dtype))
+    return tuple(out)

@@ -1,0 +1,196 @@
+"""PipelineModel: the pipelined counterpart of ParallelModel (same public methods)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as pp_schedules
+
+from autopar.capture import Captured
+from autopar.passes.stages import split_stages
+from autopar.plan import Plan, parse_spec
+from autopar.runtime.parallel_model import OptimizerFactory
+from autopar.runtime.pipeline import (
+    SCHEDULES,
+    StageModule,
+    _example,
+    boundary_spec,
+    stage_ranks,
+)
+from autopar.runtime.shards import gather_full, local_chunk
+
+
+class PipelineModel:
+    """`.plan`, `.step(*batch)`, `.forward_backward`, `.optimizer_step`, `.full_state_dict`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        captured: Captured,
+        plan: Plan,
+        world_mesh: DeviceMesh,
+        optimizer: OptimizerFactory | None = None,
+    ):
+        self.plan, self.captured, self.world_mesh = plan, captured, world_mesh
+        self.mesh = world_mesh[plan.stage_axis_names]  # this rank's stage submesh
+        self.pp_group = world_mesh.get_group("pp")
+        self.pp_rank = world_mesh.get_local_rank("pp")
+        pp = world_mesh.size(0)
+        graphs = split_stages(captured, list(plan.stage_cuts))
+        owners = stage_ranks(plan.schedule, pp)
+        full = _full_state(model, captured)
+        self.modules = {
+            s: StageModule(graphs[s], plan, self.mesh, full)
+            for s in range(len(graphs))
+            if owners[s] == self.pp_rank
+        }
+        self.stages = [
+            self._pipeline_stage(graphs[s], m, len(graphs)) for s, m in self.modules.items()
+        ]
+        self._tied = _tied_params(graphs)
+        self.schedule = _make_schedule(plan, self.stages)
+        params = [p for m in self.modules.values() for p in m.shards]
+        self.optimizer = optimizer(params) if optimizer else None
+        self._is_last = (len(graphs) - 1) in self.modules
+        self._first = 0 in self.modules
+
+    def _pipeline_stage(self, graph, module: StageModule, num: int) -> PipelineStage:
+        return PipelineStage(
+            module,
+            graph.index,
+            num,
+            torch.device("cpu"),
+            input_args=_example(graph, self.plan, graph.inputs, self.mesh),
+            output_args=_example(graph, self.plan, graph.outputs, self.mesh)
+            if graph.outputs != ["loss"]
+            else torch.zeros(()),
+            group=self.pp_group,
+        )
+
+    # ---- training --------------------------------------------------------------------
+    def forward_backward(self, *batch: torch.Tensor) -> torch.Tensor:
+        args = [
+            self._microbatched_local(name, t)
+            for name, t in zip(self.captured.user_inputs, batch, strict=True)
+        ]
+        losses: list[torch.Tensor] = []
+        dummy = torch.zeros(self.plan.microbatches)
+        kwargs = {"target": dummy, "losses": losses} if self._is_last else {}
+        self.schedule.step(*args, **kwargs) if self._first else self.schedule.step(**kwargs)
+        self._sync_tied_grads()
+        local = (
+            torch.stack(losses).mean() if losses and self._is_first_replica() else torch.zeros(())
+        )
+        dist.all_reduce(local)
+        return local
+
+    def optimizer_step(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, *batch: torch.Tensor) -> float:
+        loss = self.forward_backward(*batch)
+        self.optimizer_step()
+        return float(loss)
+
+    # ---- state -------------------------------------------------------------------------
+    def local_grads(self) -> dict[str, torch.Tensor | None]:
+        out = {}
+        for m in self.modules.values():
+            for name, p in zip(m.stage.params, m.shards, strict=True):
+                out[self.captured.params[name]] = p.grad
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        tensors = {t.name: t for t in self.plan.tensors}
+        mine: dict[str, torch.Tensor] = {}
+        for m in self.modules.values():
+            for name, p in zip(m.stage.params, m.shards, strict=True):
+                t = tensors[name]
+                full = gather_full(p.detach(), parse_spec(t.spec), self.mesh, t.shape)
+                for fqn in [t.fqn, *self.captured.aliases.get(t.fqn, [])]:
+                    mine[fqn] = full
+        gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, mine if self._stage_coord_zero() else {})
+        merged = {k: v for part in gathered for k, v in part.items()}
+        for name, fqn in self.captured.buffers.items():
+            merged.setdefault(fqn, self._buffer_full(name))
+        return merged
+
+    def save_plan(self, path: str) -> None:
+        self.plan.save(path)
+
+    # ---- helpers -----------------------------------------------------------------------
+    def _microbatched_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        spec = boundary_spec(self.plan, name)
+        chunks = full.chunk(self.plan.microbatches, dim=0)
+        return torch.cat([local_chunk(c, spec, self.mesh) for c in chunks])
+
+    def _sync_tied_grads(self) -> None:
+        tensors = {t.name: t for t in self.plan.tensors}
+        for name in self._tied:
+            held = [
+                p
+                for m in self.modules.values()
+                for n, p in zip(m.stage.params, m.shards, strict=True)
+                if n == name
+            ]
+            total = sum((p.grad for p in held if p.grad is not None), None)
+            if total is None:
+                shape = local_chunk(
+                    torch.empty(tensors[name].shape, device="meta"),
+                    parse_spec(tensors[name].spec),
+                    self.mesh,
+                ).shape
+                total = torch.zeros(shape)
+            dist.all_reduce(total, group=self.pp_group)
+            for p in held:
+                p.grad = total.clone()
+
+    def _is_first_replica(self) -> bool:
+        return self._stage_coord_zero()
+
+    def _stage_coord_zero(self) -> bool:
+        return all(c == 0 for c in self.mesh.get_coordinate())
+
+    def _buffer_full(self, name: str) -> torch.Tensor | None:
+        for m in self.modules.values():
+            if name in m.stage.buffers:
+                return getattr(m, f"b{m.stage.buffers.index(name)}")
+        return None
+
+
+def _full_state(model: nn.Module, captured: Captured) -> dict[str, torch.Tensor]:
+    state = dict(model.named_parameters(remove_duplicate=False))
+    state.update(dict(model.named_buffers(remove_duplicate=False)))
+    out = {
+        name: state[fqn].detach() for name, fqn in {**captured.params, **captured.buffers}.items()
+    }
+    out.update(captured.constants)
+    return out
+
+
+def _tied_params(graphs) -> list[str]:
+    """Parameters read by more than one stage, in a fixed order (every rank iterates it)."""
+    count: dict[str, int] = {}
+    for g in graphs:
+        for name in g.params:
+            count[name] = count.get(name, 0) + 1
+    return sorted(n for n, c in count.items() if c > 1)
+
+
+def _make_schedule(plan: Plan, stages: list[PipelineStage]):
+    cls = getattr(pp_schedules, SCHEDULES[plan.schedule][0])
+    loss_fn = _stage_output_is_loss
+    if SCHEDULES[plan.schedule][1] == 1:
+        return cls(stages[0], plan.microbatches, loss_fn=loss_fn)
+    return cls(stages, plan.microbatches, loss_fn=loss_fn)
+
+
+def _stage_output_is_loss(output: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
+    """The last stage's program already computes the microbatch loss."""
+    return output
