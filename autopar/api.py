@@ -20,8 +20,8 @@ from autopar.capture import Captured, capture
 from autopar.cluster import Cluster
 from autopar.plan import Plan
 from autopar.runtime.parallel_model import OptimizerFactory, ParallelModel
-from autopar.search.intra_op import search_plan
-from autopar.search.pins import SearchOptions
+from autopar.runtime.pipeline_model import PipelineModel
+from autopar.search.job import _Job
 
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile
@@ -36,10 +36,17 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     placements: dict[str, str] | None = None,
     memory_limit: float | None = None,
     time_limit_s: float = 30.0,
-) -> ParallelModel:
+    pipeline_stages: int | None = None,
+    microbatches: int | None = None,
+    schedule: str | None = None,
+    stage_cuts: Sequence[int] | None = None,
+) -> ParallelModel | PipelineModel:
     """Plan (or apply `plan`) and build this rank's share of the model for training.
 
     Every rank calls it with the same model (same initial weights) and the same GLOBAL batch.
+    Pipelining: name the first mesh axis "pp" or pass `pipeline_stages`; `microbatches`,
+    `schedule` (gpipe, 1f1b, interleaved1f1b, interleavedzb, zbv, dualpipev) and
+    `stage_cuts` (first layer of each stage) pin what the search would choose.
     """
     if not dist.is_initialized():
         raise RuntimeError(
@@ -47,20 +54,30 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
             "`autopar run`) and call torch.distributed.init_process_group first; "
             "use autopar.plan to plan without processes."
         )
-    captured = capture(model, example_inputs, loss_fn)
-    mesh = cluster.device_mesh()
-    options = SearchOptions(
-        strategy=strategy,
-        placements=dict(placements or {}),
-        memory_limit=memory_limit,
-        time_limit_s=time_limit_s,
+    if isinstance(plan, (str, Path)):
+        plan = Plan.load(plan)
+    job = _Job.make(
+        example_inputs,
+        cluster,
+        strategy,
+        placements,
+        memory_limit,
+        time_limit_s,
+        pipeline_stages,
+        microbatches,
+        schedule,
+        stage_cuts,
+        plan,
     )
+    captured = capture(model, job.capture_batch(example_inputs), loss_fn)
+    mesh = job.cluster.device_mesh()
     if plan is not None:
-        plan = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
-        check_plan_matches(plan, captured, cluster)
+        check_plan_matches(plan, captured, job.cluster)
     else:
-        plan = _plan_on_rank0(captured, cluster, mesh, options)
+        plan = _plan_on_rank0(captured, job, mesh)
     verify_same_plan(plan)
+    if plan.pipeline is not None:
+        return PipelineModel(model, captured, plan, mesh, optimizer)
     return ParallelModel(model, captured, plan, mesh, optimizer)
 
 
@@ -74,15 +91,26 @@ def plan(
     placements: dict[str, str] | None = None,
     memory_limit: float | None = None,
     time_limit_s: float = 30.0,
+    pipeline_stages: int | None = None,
+    microbatches: int | None = None,
+    schedule: str | None = None,
+    stage_cuts: Sequence[int] | None = None,
 ) -> Plan:
     """Search a plan without processes or weights (the model may be on the meta device)."""
-    captured = capture(model, example_inputs, loss_fn)
-    options = SearchOptions(
-        strategy=strategy,
-        placements=dict(placements or {}),
-        memory_limit=memory_limit,
-        time_limit_s=time_limit_s,
+    job = _Job.make(
+        example_inputs,
+        cluster,
+        strategy,
+        placements,
+        memory_limit,
+        time_limit_s,
+        pipeline_stages,
+        microbatches,
+        schedule,
+        stage_cuts,
     )
+    captured = capture(model, job.capture_batch(example_inputs), loss_fn)
+    cluster = job.cluster
     owns_group = not dist.is_initialized()
     if owns_group:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cluster.world_size)
@@ -93,8 +121,7 @@ def plan(
             "cluster of the job's size"
         )
     try:
-        mesh = cluster.device_mesh(device_type="cpu")
-        return search_plan(captured, cluster, mesh, options)
+        return job.search(captured, cluster.device_mesh(device_type="cpu"))
     finally:
         if owns_group:
             dist.destroy_process_group()
@@ -116,13 +143,13 @@ def check_plan_matches(plan: Plan, captured: Captured, cluster: Cluster) -> None
         )
 
 
-def _plan_on_rank0(captured: Captured, cluster: Cluster, mesh, options: SearchOptions) -> Plan:
+def _plan_on_rank0(captured: Captured, job: _Job, mesh) -> Plan:
     """Rank 0 searches; the others receive its plan (solvers with time limits are not
     guaranteed to answer identically on every rank)."""
     box: list[object] = [None]
     if dist.get_rank() == 0:
         try:
-            box[0] = search_plan(captured, cluster, mesh, options).to_json()
+            box[0] = job.search(captured, mesh).to_json()
         except Exception as exc:  # the other ranks must not wait forever for a plan
             box[0] = exc
     dist.broadcast_object_list(box, src=0)

@@ -18,7 +18,7 @@ from autopar.plan import Plan, parse_spec
 
 
 def axis_roles(plan: Plan) -> list[str]:
-    return [_axis_role(plan, axis) for axis in range(len(plan.mesh_shape))]
+    return [_axis_role(plan, axis) for axis in range(len(plan.stage_mesh_shape))]
 
 
 MATMUL_OPS = ("mm.default", "addmm.default")
@@ -58,26 +58,51 @@ def _numel(shape) -> int:
 
 
 def describe(plan: Plan) -> dict:
-    roles = axis_roles(plan)
-    return {
+    roles = dict(zip(plan.stage_axis_names, axis_roles(plan), strict=True))
+    out = {
         "strategy": plan.strategy,
         "graph_fingerprint": plan.graph_fingerprint,
         "content_hash": plan.content_hash,
-        "stages": [
-            {
-                "stage": 0,
-                "devices": list(range(_numel(plan.mesh_shape))),
-                "mesh": list(plan.mesh_shape),
-                "axis_names": list(plan.axis_names),
-                "axis_roles": dict(zip(plan.axis_names, roles, strict=True)),
-            }
-        ],
+        "stages": _stages(plan, roles),
         "predicted_step_time": plan.predicted_step_time,
         "predicted_peak_memory": plan.predicted_peak_memory,
         "parameters": {t.fqn: t.spec for t in plan.tensors if t.kind == "param"},
         "inputs": {t.fqn: t.spec for t in plan.tensors if t.kind == "input"},
         "solver": plan.solver,
     }
+    if plan.pipeline is not None:
+        p = plan.pipeline
+        out["pipeline"] = {
+            "pp": p.pp,
+            "schedule": p.schedule,
+            "microbatches": p.microbatches,
+            "bubble": plan.solver.get("bubble"),
+            "timeline": list(p.timeline),
+        }
+    return out
+
+
+def _stages(plan: Plan, roles: dict[str, str]) -> list[dict]:
+    stage_size = _numel(plan.stage_mesh_shape)
+    common = {
+        "mesh": list(plan.stage_mesh_shape),
+        "axis_names": list(plan.stage_axis_names),
+        "axis_roles": roles,
+    }
+    if plan.pipeline is None:
+        return [{"stage": 0, "devices": list(range(stage_size)), **common}]
+    p = plan.pipeline
+    bounds = [*p.stage_cuts, len(p.layers)]
+    return [
+        {
+            "stage": s,
+            "devices": [r * stage_size + j for j in range(stage_size)],
+            "pipeline_rank": r,
+            "layers": list(p.layers[bounds[s] : bounds[s + 1]]),
+            **common,
+        }
+        for s, r in enumerate(p.rank_of_stage)
+    ]
 
 
 def summary(plan: Plan) -> str:
@@ -86,7 +111,7 @@ def summary(plan: Plan) -> str:
     lines = [
         f"autopar plan {d['content_hash']} for graph {d['graph_fingerprint']} "
         f"(strategy={d['strategy']})",
-        f"mesh {tuple(stage['mesh'])} axes "
+        f"{'stage ' if plan.pipeline else ''}mesh {tuple(stage['mesh'])} axes "
         + ", ".join(f"{a}={r}" for a, r in stage["axis_roles"].items()),
         f"predicted step time {plan.predicted_step_time * 1e3:.3f} ms, "
         f"peak memory {plan.predicted_peak_memory / 2**30:.3f} GiB per device",
@@ -94,6 +119,8 @@ def summary(plan: Plan) -> str:
         + ", ".join(f"{spec}×{n}" for spec, n in Counter(d["parameters"].values()).most_common()),
         "inputs: " + ", ".join(f"{k}={v}" for k, v in d["inputs"].items()),
     ]
+    if plan.pipeline is not None:
+        lines += _pipeline_lines(plan, d)
     if plan.solver:
         s = plan.solver
         lines.append(
@@ -102,3 +129,27 @@ def summary(plan: Plan) -> str:
             f"{s.get('edges')} edges; search {s.get('search_time_s', 0):.2f}s)"
         )
     return "\n".join(lines)
+
+
+def _pipeline_lines(plan: Plan, d: dict) -> list[str]:
+    p = plan.pipeline
+    lines = [
+        f"pipeline: {p.pp} ranks x {len(p.stage_cuts) // p.pp} stages each, schedule "
+        f"{p.schedule}, {p.microbatches} microbatches, bubble "
+        f"{(d['pipeline']['bubble'] or 0) * 100:.1f}%"
+    ]
+    for st in d["stages"]:
+        layers = st["layers"]
+        span = f"{layers[0]}..{layers[-1]}" if layers else "-"
+        lines.append(
+            f"  stage {st['stage']} on pipeline rank {st['pipeline_rank']} "
+            f"(devices {st['devices'][0]}..{st['devices'][-1]}): layers {span}"
+        )
+    return lines
+
+
+def timeline_text(plan: Plan) -> str:
+    """One row per pipeline rank: its actions in order (F/B/W stage.microbatch)."""
+    if plan.pipeline is None:
+        return ""
+    return "\n".join(f"rank {r}: {row}" for r, row in enumerate(plan.pipeline.timeline))

@@ -63,6 +63,7 @@ GPT2_PADDED_VOCAB = 50304
 
 GPT_CONFIGS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=32),
+    "tiny4": GPTConfig(vocab_size=128, block_size=16, n_layer=4, n_head=4, n_embd=32),
     # big enough that parallelizing pays off on this CPU box's gloo cost model (the demo)
     "small": GPTConfig(vocab_size=512, block_size=128, n_layer=4, n_head=4, n_embd=256),
     "gpt2-124m": GPTConfig(

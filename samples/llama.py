@@ -74,6 +74,7 @@ _LLAMA3_VOCAB = 128256
 # fields: vocab_size, max_seq_len, n_layers, dim, n_heads, n_kv_heads, ffn_hidden_dim
 LLAMA_CONFIGS: dict[str, LlamaConfig] = {
     "tiny": LlamaConfig(128, 16, 2, 32, 4, 2, 64),
+    "tiny4": LlamaConfig(128, 16, 4, 32, 4, 2, 64),
     "llama3-8b": LlamaConfig(_LLAMA3_VOCAB, 8192, 32, 4096, 32, 8, 14336),
     "llama3-70b": LlamaConfig(_LLAMA3_VOCAB, 8192, 80, 8192, 64, 8, 28672),
 }

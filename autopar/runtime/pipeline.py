@@ -129,5 +129,7 @@ def _example(stage: StageGraph, plan: Plan, names: list[str], mesh: DeviceMesh):
     for name in names:
         val = vals[name]
         shape = local_shape(tuple(val.shape), boundary_spec(plan, name), mesh.shape)
-        out.append(torch.zeros(shape, dtype=val.dtype))
+        example = torch.zeros(shape, dtype=val.dtype)
+        # PipelineStage reads requires_grad off the examples: activations carry gradients
+        out.append(example.requires_grad_(val.dtype.is_floating_point))
     return tuple(out)

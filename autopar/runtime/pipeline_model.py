@@ -68,6 +68,10 @@ class PipelineModel:
             if graph.outputs != ["loss"]
             else torch.zeros(()),
             group=self.pp_group,
+            # a stage program's backward yields input and weight gradients together, so
+            # the zero-bubble schedules' input-gradient action runs it whole and their
+            # weight-gradient action has nothing left to do
+            dw_builder=_nothing_left,
         )
 
     # ---- training --------------------------------------------------------------------
@@ -78,7 +82,9 @@ class PipelineModel:
         ]
         losses: list[torch.Tensor] = []
         dummy = torch.zeros(self.plan.microbatches)
-        kwargs = {"target": dummy, "losses": losses} if self._is_last else {}
+        kwargs = {"return_outputs": False}
+        if self._is_last:
+            kwargs.update(target=dummy, losses=losses)
         self.schedule.step(*args, **kwargs) if self._first else self.schedule.step(**kwargs)
         self._sync_tied_grads()
         local = (
@@ -139,7 +145,8 @@ class PipelineModel:
                 for n, p in zip(m.stage.params, m.shards, strict=True)
                 if n == name
             ]
-            total = sum((p.grad for p in held if p.grad is not None), None)
+            grads = [p.grad for p in held if p.grad is not None]
+            total = torch.stack(grads).sum(0) if grads else None
             if total is None:
                 shape = local_chunk(
                     torch.empty(tensors[name].shape, device="meta"),
@@ -189,6 +196,10 @@ def _make_schedule(plan: Plan, stages: list[PipelineStage]):
     if SCHEDULES[plan.schedule][1] == 1:
         return cls(stages[0], plan.microbatches, loss_fn=loss_fn)
     return cls(stages, plan.microbatches, loss_fn=loss_fn)
+
+
+def _nothing_left():
+    return lambda: None
 
 
 def _stage_output_is_loss(output: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:

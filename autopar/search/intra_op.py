@@ -171,9 +171,32 @@ def _edges(dec: Decisions, rep, index, strats, ctx: CostContext) -> list[Edge]:
     return [Edge(u, v, tuple(tuple(r) for r in m)) for (u, v), m in acc.items()]
 
 
-def search_plan(
+@dataclass
+class IntraOpResult:
+    """The ILP's answer with what is needed to price parts of the graph afterwards."""
+
+    chosen: dict[fx.Node, NodeStrategy]
+    ctx: CostContext
+    objective: float
+    memory: float
+    info: dict
+
+    def node_time(self, n: fx.Node) -> float:
+        """Compute plus the resharding of its inputs (forward and backward), seconds."""
+        s = self.chosen[n]
+        total = self.ctx.node_cost(n, s)
+        for pos, u in enumerate(self.ctx.tensor_inputs(n)):
+            src = self.ctx.output_spec(u, self.chosen[u], n)
+            total += self.ctx.edge_cost(u, src, n, s, pos)
+        return total
+
+    def node_memory(self, n: fx.Node) -> float:
+        return self.ctx.node_memory(n, self.chosen[n])
+
+
+def solve_intra(
     captured: Captured, cluster: Cluster, mesh: DeviceMesh, options: SearchOptions | None = None
-) -> Plan:
+) -> IntraOpResult:
     options = options or SearchOptions()
     t0 = time.perf_counter()
     strats = enumerate_strategies(captured.gm, mesh)
@@ -199,14 +222,22 @@ def search_plan(
         "ilp_decisions": len(problem.node_cost),
         "edges": len(problem.edges),
     }
+    return IntraOpResult(chosen, ctx, solution.objective, solution.memory, info)
+
+
+def search_plan(
+    captured: Captured, cluster: Cluster, mesh: DeviceMesh, options: SearchOptions | None = None
+) -> Plan:
+    options = options or SearchOptions()
+    result = solve_intra(captured, cluster, mesh, options)
     return assemble_plan(
         captured,
         cluster,
-        chosen,
+        result.chosen,
         options.strategy_name(),
-        solution.objective,
-        solution.memory,
-        info,
+        result.objective,
+        result.memory,
+        result.info,
     )
 
 

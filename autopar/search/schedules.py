@@ -134,18 +134,9 @@ def _greedy(
     held, peak = [0] * pp, [0] * pp
     rows: list[list[str]] = [[] for _ in range(pp)]
     for _ in range(3 * num * m):
-        best = None
-        for rank in range(pp):
-            for s in mine[rank]:
-                for kind in "FBW":
-                    i = nxt[(kind, s)]
-                    if i >= m:
-                        continue
-                    ready = _ready((kind, s, i), done, num, p2p, clock[rank], held[rank], 2 * pp)
-                    if ready is not None:
-                        key = (ready, "BFW".index(kind), i, -s)
-                        if best is None or key < best[0]:
-                            best = (key, rank, (kind, s, i))
+        best = _pick(mine, nxt, m, done, num, p2p, clock, held, 2 * pp) or _pick(
+            mine, nxt, m, done, num, p2p, clock, held, 1 << 30
+        )  # the cap would deadlock
         if best is None:
             raise RuntimeError(f"schedule {schedule} deadlocks for pp={pp}, m={m}")
         (start, *_), rank, act = best
@@ -163,6 +154,23 @@ def _greedy(
         tuple(peak),
         tuple(" ".join(r) for r in rows),
     )
+
+
+def _pick(mine, nxt, m, done, num, p2p, clock, held, cap):
+    """The globally earliest startable action: ((start, priority...), rank, action)."""
+    best = None
+    for rank, stages in enumerate(mine):
+        for s in stages:
+            for kind in "FBW":
+                i = nxt[(kind, s)]
+                if i >= m:
+                    continue
+                ready = _ready((kind, s, i), done, num, p2p, clock[rank], held[rank], cap)
+                if ready is not None:
+                    key = (ready, "BFW".index(kind), i, -s)
+                    if best is None or key < best[0]:
+                        best = (key, rank, (kind, s, i))
+    return best
 
 
 def _ready(act, done, num: int, p2p: float, clock: float, held: int, cap: int):

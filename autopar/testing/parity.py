@@ -15,6 +15,7 @@ Used by the tests, by `autopar run` and by the README demo.
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 import os
 import socket
@@ -40,11 +41,14 @@ class ParityCase:
     batch_size: int = 8
     steps: int = 3
     seed: int = 0
+    schedule: str | None = None  # pipelining: mesh axis "pp" first
+    microbatches: int | None = None
 
     @property
     def label(self) -> str:
         strat = self.strategy if isinstance(self.strategy, str) else "x".join(self.strategy)
-        return f"{self.sample}-{'x'.join(map(str, self.mesh))}-{'x'.join(self.axis_names)}-{strat}"
+        label = f"{self.sample}-{'x'.join(map(str, self.mesh))}-{'x'.join(self.axis_names)}-{strat}"
+        return label + (f"-{self.schedule}" if self.schedule else "")
 
 
 @dataclass
@@ -95,7 +99,10 @@ def _merge(results: list[ParityResult]) -> ParityResult:
 def _worker(rank: int, world: int, port: int, cases: list[dict], out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a rank that fails mid-collective must not leave the others waiting for 30 minutes
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
+    )
     results = []
     try:
         for raw in cases:
@@ -175,11 +182,13 @@ def run_case(case: ParityCase) -> ParityResult:
         cluster=cluster,
         strategy=case.strategy,
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
+        schedule=case.schedule,
+        microbatches=case.microbatches,
     )
     res = ParityResult(
         case.label,
         ref_losses=ref_losses,
-        roles=dict(zip(case.axis_names, axis_roles(pm.plan), strict=True)),
+        roles=dict(zip(pm.plan.stage_axis_names, axis_roles(pm.plan), strict=True)),
         param_specs={t.fqn: t.spec for t in pm.plan.tensors if t.kind == "param"},
     )
     specs = {t.fqn: parse_spec(t.spec) for t in pm.plan.tensors if t.kind == "param"}

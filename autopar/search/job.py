@@ -1,0 +1,130 @@
+"""What a compile/plan call asks for: the cluster as the search sees it, the options, and
+the batch the graph is captured on (one microbatch when pipelining)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.capture import Captured
+from autopar.cluster import Cluster
+from autopar.plan import Plan
+from autopar.search.inter_op import PipelineOptions, search_pipeline
+from autopar.search.intra_op import search_plan
+from autopar.search.pins import SearchOptions
+
+
+def with_pipeline_axis(cluster: Cluster, stages: int | None) -> Cluster:
+    """The cluster with its pipeline axis named "pp" first, and at least one other axis.
+
+    An axis already named "pp" is used as it is (it must be the first). Otherwise
+    `stages` splits the first axis: (n, ...) -> (stages, n // stages, ...), dropping a
+    resulting size-1 axis unless it is the only one left beside "pp"."""
+    names = tuple(cluster.axis_names)
+    if "pp" in names:
+        if names[0] != "pp":
+            raise ValueError(f"the pipeline axis 'pp' must be the first mesh axis; got {names}")
+        if stages not in (None, cluster.mesh_shape[0]):
+            raise ValueError(
+                f"pipeline_stages={stages} but the 'pp' axis has size "
+                f"{cluster.mesh_shape[0]}; drop one of the two"
+            )
+        base = cluster
+    elif stages is None or stages == 1:
+        return cluster
+    else:
+        first = cluster.mesh_shape[0]
+        if first % stages:
+            raise ValueError(
+                f"pipeline_stages={stages} does not divide the first mesh axis "
+                f"('{names[0]}' of size {first}); name a 'pp' axis in the mesh"
+            )
+        shape = (stages, first // stages, *cluster.mesh_shape[1:])
+        links = (cluster.links[0], cluster.links[0], *cluster.links[1:])
+        base = replace(cluster, mesh_shape=shape, axis_names=("pp", *names), links=links)
+        if shape[1] == 1 and len(shape) > 2:
+            base = replace(
+                base,
+                mesh_shape=(shape[0], *shape[2:]),
+                axis_names=("pp", *names[1:]),
+                links=(links[0], *links[2:]),
+            )
+    if len(base.mesh_shape) == 1:
+        base = replace(
+            base,
+            mesh_shape=(*base.mesh_shape, 1),
+            axis_names=(*base.axis_names, "stage"),
+            links=base.links * 2,
+        )
+    return base
+
+
+@dataclass(frozen=True)
+class _Job:
+    cluster: Cluster
+    options: SearchOptions
+    pipeline: PipelineOptions | None
+
+    @classmethod
+    def make(
+        cls,
+        batch: Sequence[torch.Tensor],
+        cluster: Cluster,
+        strategy,
+        placements,
+        memory_limit,
+        time_limit_s,
+        pipeline_stages=None,
+        microbatches=None,
+        schedule=None,
+        stage_cuts=None,
+        plan: Plan | None = None,
+    ) -> _Job:
+        options = SearchOptions(
+            strategy=strategy,
+            placements=dict(placements or {}),
+            memory_limit=memory_limit,
+            time_limit_s=time_limit_s,
+        )
+        if plan is not None and plan.pipeline is not None:
+            pipeline_stages = plan.pipeline.pp
+            microbatches = plan.pipeline.microbatches
+        cluster = with_pipeline_axis(cluster, pipeline_stages)
+        if "pp" not in cluster.axis_names:
+            return cls(cluster, options, None)
+        pp = cluster.mesh_shape[0]
+        rows = batch[0].shape[0]
+        m = microbatches or _default_microbatches(rows, pp)
+        if rows % m:
+            raise ValueError(
+                f"the batch has {rows} rows, which do not split into "
+                f"microbatches={m}; pick a divisor of {rows}"
+            )
+        cuts = tuple(stage_cuts) if stage_cuts is not None else None
+        return cls(cluster, options, PipelineOptions(m, schedule, cuts))
+
+    def capture_batch(self, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Pipelined graphs are captured on one microbatch (the shapes each stage runs)."""
+        if self.pipeline is None:
+            return tuple(batch)
+        m = self.pipeline.microbatches
+        return tuple(t.chunk(m, dim=0)[0] for t in batch)
+
+    def search(self, captured: Captured, mesh: DeviceMesh) -> Plan:
+        if self.pipeline is None:
+            return search_plan(captured, self.cluster, mesh, self.options)
+        stage_names = tuple(n for n in self.cluster.axis_names if n != "pp")
+        return search_pipeline(
+            captured, self.cluster, mesh[stage_names], self.options, self.pipeline
+        )
+
+
+def _default_microbatches(rows: int, pp: int) -> int:
+    """2*pp microbatches (a small bubble), or the largest divisor of the batch below it."""
+    for m in range(min(rows, 2 * pp), 0, -1):
+        if rows % m == 0:
+            return m
+    return 1
