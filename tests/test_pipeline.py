@@ -1,0 +1,77 @@
+"""Pipeline parallelism trains like one device, on every schedule torch ships.
+
+GPT (tied embedding/head: the head's stage and the embedding's stage each hold the weight and
+their gradients are summed) and Llama, 4 layers, 3 AdamW steps, fp32, rtol 1e-4 on loss and
+gradients (the issue's tolerance for pipelines: microbatch sums reorder float additions).
+Schedules are spread over the meshes so that each one runs with DP and with TP inside its
+stages; interleaved and V-shaped schedules hold 2 virtual stages per rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from autopar.search.inter_op import balanced_cuts
+from autopar.search.schedules import simulate
+from autopar.testing.parity import LR, ParityCase, run_parity
+
+ALL = ("gpipe", "1f1b", "interleaved1f1b", "interleavedzb", "zbv", "dualpipev")
+STEPS = 3
+TOL = 1e-4
+
+RUNS = [  # (world, mesh, axis names, stage strategy, {sample: schedules})
+    (2, (2,), ("pp",), "auto", {"gpt": ALL, "llama": ALL}),
+    (4, (2, 2), ("pp", "dp"), "dp", {"gpt": ALL[:3], "llama": ALL[3:]}),
+    (4, (2, 2), ("pp", "tp"), "tp", {"gpt": ALL[3:], "llama": ALL[:3]}),
+    (8, (2, 2, 2), ("pp", "dp", "tp"), ("dp", "tp"),
+     {"gpt": ("1f1b", "zbv"), "llama": ("interleaved1f1b", "dualpipev")}),
+]
+
+
+def _cases(sample, mesh, names, strategy, schedules):
+    return [ParityCase(sample, mesh, names, strategy, config="tiny4", steps=STEPS,
+                       schedule=s, microbatches=4) for s in schedules]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("sample", ["gpt", "llama"])
+@pytest.mark.parametrize("world,mesh,names,strategy,schedules", RUNS,
+                         ids=["pp2", "pp2xdp2", "pp2xtp2", "pp2xdp2xtp2"])
+def test_pipeline_matches_single_device(sample, world, mesh, names, strategy, schedules):
+    cases = _cases(sample, mesh, names, strategy, schedules[sample])
+    failures = []
+    for res in run_parity(cases, world):
+        if res.error:
+            failures.append(f"{res.label}: {res.error}")
+            continue
+        line = (f"{res.label}: loss {res.loss_rel_err:.1e} grad {res.grad_err:.1e} "
+                f"param {res.param_err:.1e} (ddp {res.ddp_param_err:.1e})")
+        print(line)
+        if res.loss_rel_err > TOL or res.grad_err > TOL or res.param_err > LR * STEPS:
+            failures.append("tolerance exceeded: " + line)
+    assert not failures, "\n".join(failures)
+
+
+def test_gpipe_and_1f1b_bubbles_follow_the_textbook() -> None:
+    # p stages, m microbatches, f=1, b=2: (m + p - 1) * (f + b)
+    for schedule in ("gpipe", "1f1b"):
+        t = simulate(schedule, [1.0] * 4, [2.0] * 4, 8, 4)
+        assert t.step_time == pytest.approx((8 + 3) * 3)
+    assert simulate("1f1b", [1.0] * 4, [2.0] * 4, 8, 4).in_flight == (4, 3, 2, 1)
+    assert simulate("gpipe", [1.0] * 4, [2.0] * 4, 8, 4).in_flight == (8, 8, 8, 8)
+
+
+def test_interleaving_and_zero_bubble_shrink_the_bubble() -> None:
+    base = simulate("1f1b", [1.0] * 4, [2.0] * 4, 8, 4)
+    inter = simulate("interleaved1f1b", [0.5] * 8, [1.0] * 8, 8, 4)
+    zbv = simulate("zbv", [0.5] * 8, [1.0] * 8, 8, 4)
+    assert inter.step_time < base.step_time and zbv.step_time < inter.step_time
+    assert zbv.bubble < inter.bubble < base.bubble
+
+
+def test_balanced_cuts_minimize_the_slowest_stage() -> None:
+    assert balanced_cuts([1, 1, 1, 1], 2) == (0, 2)
+    assert balanced_cuts([5, 1, 1, 1, 1, 1], 2) == (0, 1)
+    assert balanced_cuts([1, 1, 1, 1, 4], 3) == (0, 2, 4)
+    with pytest.raises(ValueError, match="need at least 5 layers"):
+        balanced_cuts([1, 1, 1, 1], 5)
