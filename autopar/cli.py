@@ -2,11 +2,16 @@
 
     autopar plan gpt --config gpt2-124m --cluster dgx-h100 --nodes 2 -o plan.json
     autopar inspect plan.json
+    autopar plan gpt --config tiny4 --cluster cpu --mesh 2x2 --axis-names pp,dp --schedule 1f1b
     autopar run gpt --nproc 4 --mesh 2x2 --axis-names dp,tp --steps 5
     autopar bench gpt --config gpt2-1.5b --cluster dgx-h100 --nodes 1 --csv bench.csv
 
-Bad input (unknown sample, config, preset, strategy, a malformed mesh) ends with one line
-`error: ...` on stderr and exit code 2; a search that fails ends with `error: ...` and 1.
+Pipelining: name the first mesh axis `pp` or pass `--pipeline-stages N` (which splits the
+first axis); `--microbatches` and `--schedule` pin what the search would choose.
+
+Bad input (unknown sample, config, preset, strategy, schedule, a malformed mesh) ends with
+one line `error: ...` on stderr and exit code 2; a search that fails ends with `error: ...`
+and 1.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ from autopar.cluster import PRESETS, Cluster
 from autopar.cost_models.comm import Collective, redistribute_plan, transition_kind
 from autopar.cost_models.memory import local_numel
 from autopar.plan import NodePlan, Plan, TensorPlan, parse_spec
-from autopar.plan_views import axis_roles
+from autopar.plan_views import axis_roles, describe
+from autopar.runtime.pipeline import SCHEDULES
+from autopar.search.job import with_pipeline_axis
 from autopar.search.pins import ROLES
 
 app = typer.Typer(
@@ -90,6 +97,70 @@ def check_strategy(strategy: str | tuple[str, ...], ndim: int) -> None:
         fail(f"--strategy names {len(strategy)} axis roles but the mesh has {ndim} axes")
 
 
+@dataclass(frozen=True)
+class PipelineArgs:
+    """`--pipeline-stages`, `--microbatches`, `--schedule`, as `autopar.plan` takes them."""
+
+    pipeline_stages: int | None = None
+    microbatches: int | None = None
+    schedule: str | None = None
+
+    def kwargs(self) -> dict:
+        return {
+            "pipeline_stages": self.pipeline_stages,
+            "microbatches": self.microbatches,
+            "schedule": self.schedule,
+        }
+
+    def launch_args(self) -> list[str]:
+        """The same options for `autopar.runtime.launch` (only those given)."""
+        out = []
+        for flag, value in (
+            ("--pipeline-stages", self.pipeline_stages),
+            ("--microbatches", self.microbatches),
+            ("--schedule", self.schedule),
+        ):
+            if value is not None:
+                out += [flag, str(value)]
+        return out
+
+
+def parse_schedule(name: str | None) -> str | None:
+    if name is not None and name not in SCHEDULES:
+        fail(f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
+    return name
+
+
+def check_pipeline(
+    cluster: Cluster, pipe: PipelineArgs, strategy: str | tuple[str, ...], batch_size: int
+) -> None:
+    """The pipeline options against the mesh; the strategy names one role per STAGE axis
+    (the mesh without its "pp" axis) when pipelining."""
+    try:
+        searched = with_pipeline_axis(cluster, pipe.pipeline_stages)
+    except ValueError as exc:
+        fail(str(exc).replace("pipeline_stages=", "--pipeline-stages "))
+    pipelined = "pp" in searched.axis_names
+    if not pipelined and (pipe.microbatches is not None or pipe.schedule is not None):
+        fail(
+            "--microbatches/--schedule need pipelining: pass --pipeline-stages N (N > 1) "
+            "or name the first mesh axis 'pp'"
+        )
+    if pipe.microbatches is not None and batch_size % pipe.microbatches:
+        fail(
+            f"--microbatches {pipe.microbatches} does not divide --batch-size {batch_size}; "
+            "pick a divisor"
+        )
+    stage_axes = [n for n in searched.axis_names if n != "pp"] if pipelined else None
+    if isinstance(strategy, tuple) and stage_axes is not None and len(strategy) != len(stage_axes):
+        fail(
+            f"--strategy names {len(strategy)} axis roles but a pipeline stage has "
+            f"{len(stage_axes)} ({','.join(stage_axes)}): give one role per axis but 'pp'"
+        )
+    if stage_axes is None:
+        check_strategy(strategy, cluster.ndim)
+
+
 def load_sample(name: str, config: str):
     """The sample `name` (from `samples`), after checking it has `config`."""
     from samples import SAMPLES
@@ -120,7 +191,7 @@ def build_model_and_batch(
     sample, config: str, batch_size: int
 ) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """Tiny configs are built for real; others on the meta device (no memory)."""
-    device = None if config == "tiny" else "meta"
+    device = None if config.startswith("tiny") else "meta"
     torch.manual_seed(0)
     model = sample.build(config, device=device)
     return model, tuple(sample.example_batch(model, batch_size, seed=0, device=device))
@@ -133,13 +204,21 @@ def search(
     cluster: Cluster,
     strategy: str | tuple[str, ...],
     time_limit: float,
+    pipeline: PipelineArgs | None = None,
 ) -> Plan:
     """`autopar.plan` on the sample; raises what the search raises."""
     from autopar.api import plan as plan_api
 
     sample = load_sample(sample_name, config)
     model, batch = build_model_and_batch(sample, config, batch_size)
-    return plan_api(model, batch, cluster=cluster, strategy=strategy, time_limit_s=time_limit)
+    return plan_api(
+        model,
+        batch,
+        cluster=cluster,
+        strategy=strategy,
+        time_limit_s=time_limit,
+        **(pipeline or PipelineArgs()).kwargs(),
+    )
 
 
 # ---------------------------------------------------------------- options shared by commands
@@ -154,6 +233,22 @@ StrategyOpt = Annotated[
     str, typer.Option("--strategy", "-s", help="auto|dp|fsdp|tp, or per axis: dp,tp")
 ]
 TimeOpt = Annotated[float, typer.Option("--time-limit", help="ILP time limit (s)")]
+StagesOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--pipeline-stages",
+        min=1,
+        help="pipeline stages: splits the first mesh axis (or name that axis pp)",
+    ),
+]
+MicrobatchesOpt = Annotated[
+    int | None,
+    typer.Option("--microbatches", min=1, help="pipeline microbatches (divides the batch)"),
+]
+ScheduleOpt = Annotated[
+    str | None,
+    typer.Option("--schedule", help="pipeline schedule: " + ", ".join(SCHEDULES)),
+]
 
 
 @app.command("plan")
@@ -170,14 +265,18 @@ def plan_cmd(
         Path | None, typer.Option("--output", "-o", help="write the plan JSON")
     ] = None,
     time_limit: TimeOpt = 30.0,
+    pipeline_stages: StagesOpt = None,
+    microbatches: MicrobatchesOpt = None,
+    schedule: ScheduleOpt = None,
 ) -> None:
     """Search a plan for SAMPLE on a cluster preset (no processes, no weights)."""
     load_sample(sample, config)
     roles = parse_strategy(strategy)
+    pipe = PipelineArgs(pipeline_stages, microbatches, parse_schedule(schedule))
     the_cluster = make_cluster(cluster, nodes, mesh, axis_names)
-    check_strategy(roles, the_cluster.ndim)
+    check_pipeline(the_cluster, pipe, roles, batch_size)
     try:
-        result = search(sample, config, batch_size, the_cluster, roles, time_limit)
+        result = search(sample, config, batch_size, the_cluster, roles, time_limit, pipe)
     except Exception as exc:  # the search's errors are messages for the user
         fail(f"planning failed: {exc}", code=1)
     typer.echo(result.summary())
@@ -320,7 +419,7 @@ def node_edges(plan: Plan, node: NodePlan, produced: dict[str, _Produced]) -> li
         if src is None or src.spec is None or dst is None or src.spec == dst:
             continue
         text = edge_collectives(
-            src.spec, dst, src.shape, src.dtype, plan.mesh_shape, plan.axis_names
+            src.spec, dst, src.shape, src.dtype, plan.stage_mesh_shape, plan.stage_axis_names
         )
         out.append((producer, text))
     return out
@@ -339,10 +438,15 @@ def header_table(plan: Plan) -> Table:
         "strategy": plan.strategy,
         "graph": plan.graph_fingerprint,
         "devices": f"{cluster.world_size} × {cluster.device.name} ({cluster.backend})",
-        "mesh": " × ".join(
-            f"{n}={s}" for n, s in zip(plan.axis_names, plan.mesh_shape, strict=True)
+        "mesh": _mesh_text(plan.axis_names, plan.mesh_shape),
+        **(
+            {"stage mesh": _mesh_text(plan.stage_axis_names, plan.stage_mesh_shape)}
+            if plan.pipeline is not None
+            else {}
         ),
-        "axis roles": ", ".join(f"{n}={r}" for n, r in zip(plan.axis_names, roles, strict=True)),
+        "axis roles": ", ".join(
+            f"{n}={r}" for n, r in zip(plan.stage_axis_names, roles, strict=True)
+        ),
         "links": ", ".join(
             f"{n}: {lk}" for n, lk in zip(plan.axis_names, cluster.links, strict=True)
         ),
@@ -353,11 +457,37 @@ def header_table(plan: Plan) -> Table:
         "parameters": f"{len(params)} tensors, {numel / 1e6:.2f} M elements; "
         + ", ".join(f"{s}×{k}" for s, k in Counter(t.spec for t in params).most_common()),
         "inputs": ", ".join(f"{t.fqn}={t.spec}" for t in plan.tensors if t.kind == "input"),
+        **_pipeline_rows(plan),
         "solver": _solver_text(plan.solver),
     }
     for key, value in rows.items():
         table.add_row(key, value)
     return table
+
+
+def _mesh_text(names: Sequence[str], shape: Sequence[int]) -> str:
+    return " × ".join(f"{n}={s}" for n, s in zip(names, shape, strict=True))
+
+
+def _pipeline_rows(plan: Plan) -> dict[str, str]:
+    p = plan.pipeline
+    if p is None:
+        return {}
+    stages = len(p.rank_of_stage)
+    bubble = plan.solver.get("bubble")
+    return {
+        "pipeline": f"{p.pp} ranks on axis pp, {stages} stages "
+        f"({stages // p.pp} per rank), {len(p.layers)} layers cut at {list(p.stage_cuts)}",
+        "schedule": p.schedule,
+        "microbatches": f"{p.microbatches}{_microbatch_rows(plan)}",
+        "bubble": "(unknown)" if bubble is None else f"{100 * bubble:.1f}% (predicted)",
+    }
+
+
+def _microbatch_rows(plan: Plan) -> str:
+    """The rows of one microbatch (the captured batch is one microbatch when pipelining)."""
+    inputs = [t for t in plan.tensors if t.kind == "input" and t.shape]
+    return f" × {inputs[0].shape[0]} rows" if inputs else ""
 
 
 def _solver_text(s: dict) -> str:
@@ -427,11 +557,60 @@ def _param_uses(
     return uses
 
 
+def _span(items: Sequence, sep: str = "..") -> str:
+    if not items:
+        return "—"
+    return str(items[0]) if len(items) == 1 else f"{items[0]}{sep}{items[-1]}"
+
+
+def stage_table(plan: Plan) -> Table:
+    """One row per pipeline stage: where it runs and which layers it holds."""
+    table = Table(title="pipeline stages", title_justify="left", title_style="bold")
+    for col in ("stage", "pipeline rank", "devices", "layers", "count"):
+        table.add_column(col, justify="right" if col in ("stage", "count") else "left")
+    for st in describe(plan)["stages"]:
+        table.add_row(
+            str(st["stage"]),
+            str(st["pipeline_rank"]),
+            _span(st["devices"]),
+            _span(st["layers"]),
+            str(len(st["layers"])),
+        )
+    return table
+
+
+def timeline_lines(plan: Plan, width: int = 100) -> list[str]:
+    """`rank r: F0.0 F0.1 ...`, one per pipeline rank; a row longer than `width` keeps its
+    head and tail around `… +N …` (N actions left out)."""
+    if plan.pipeline is None:
+        return []
+    return [_fit(f"rank {r}: ", row.split(), width) for r, row in enumerate(plan.pipeline.timeline)]
+
+
+def _fit(prefix: str, actions: list[str], width: int) -> str:
+    line = prefix + " ".join(actions)
+    if len(line) <= width:
+        return line
+    room, n = width - len(prefix), len(actions)
+
+    def text(head: int, tail: int) -> str:
+        return " ".join([*actions[:head], f"… +{n - head - tail} …", *actions[n - tail :]])
+
+    head = tail = 0
+    while head + tail < n - 1:  # at least one action stays hidden
+        more = (head + 1, tail) if head <= tail else (head, tail + 1)
+        if len(text(*more)) > room:
+            break
+        head, tail = more
+    return prefix + text(head, tail)
+
+
 @app.command("inspect")
 def inspect_cmd(
     plan_file: Annotated[Path, typer.Argument(help="a plan JSON written by `autopar plan -o`")],
 ) -> None:
-    """Show a saved plan: header, then per layer group the placements of every node."""
+    """Show a saved plan: header, pipeline stages and timeline (if pipelined), then per
+    layer group the placements of every node (on a stage's mesh when pipelined)."""
     try:
         plan = Plan.load(plan_file)
     except FileNotFoundError:
@@ -440,6 +619,11 @@ def inspect_cmd(
         fail(f"{plan_file} is not an autopar plan: {exc}")
     console = Console()
     console.print(header_table(plan))
+    if plan.pipeline is not None:
+        console.print(stage_table(plan))
+        console.print(f"[bold]timeline[/] ({plan.pipeline.schedule}: F/B/W stage.microbatch)")
+        for line in timeline_lines(plan, max(console.width, 40)):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
     produced = _producers(plan) if has_edges(plan) else None
     if produced is None:
         console.print(
@@ -489,6 +673,9 @@ def run_cmd(
     plan: Annotated[
         Path | None, typer.Option("--plan", help="apply this saved plan instead of searching")
     ] = None,
+    pipeline_stages: StagesOpt = None,
+    microbatches: MicrobatchesOpt = None,
+    schedule: ScheduleOpt = None,
 ) -> None:
     """Train SAMPLE on NPROC local gloo processes and compare with single-device training."""
     load_sample(sample, config)
@@ -498,7 +685,10 @@ def run_cmd(
         fail(f"--mesh {mesh} has {math.prod(shape)} devices but --nproc is {nproc}")
     if len(names) != len(shape):
         fail(f"--axis-names {','.join(names)} names {len(names)} axes; the mesh has {len(shape)}")
-    check_strategy(parse_strategy(strategy), len(shape))
+    pipe = PipelineArgs(pipeline_stages, microbatches, parse_schedule(schedule))
+    check_pipeline(
+        make_cluster("cpu", 1, mesh, ",".join(names)), pipe, parse_strategy(strategy), batch_size
+    )
     args = [
         "--sample",
         sample,
@@ -514,6 +704,7 @@ def run_cmd(
         strategy,
         "--steps",
         str(steps),
+        *pipe.launch_args(),
     ]
     if plan is not None:
         if not plan.is_file():
@@ -549,7 +740,9 @@ def bench_one(
         plan = search(sample, config, batch_size, cluster, strategy, time_limit)
     except Exception as exc:  # a strategy that does not fit is a row, not a crash
         return BenchRow(strategy, error=" ".join(str(exc).split()) or type(exc).__name__)
-    roles = ", ".join(f"{n}={r}" for n, r in zip(plan.axis_names, axis_roles(plan), strict=True))
+    roles = ", ".join(
+        f"{n}={r}" for n, r in zip(plan.stage_axis_names, axis_roles(plan), strict=True)
+    )
     return BenchRow(strategy, roles, plan.predicted_step_time, plan.predicted_peak_memory)
 
 

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from autopar.cli import app, edge_collectives, group_layers
+from autopar.cli import app, edge_collectives, group_layers, timeline_lines
 from autopar.plan import Plan
 
 runner = CliRunner()
 TINY_CPU = ["gpt", "--cluster", "cpu", "--mesh", "4"]
+PP_CPU = ["gpt", "--config", "tiny4", "--cluster", "cpu", "--mesh", "2x2", "--axis-names", "pp,dp"]
 
 
 def invoke(*args: str, code: int = 0) -> str:
@@ -58,6 +59,58 @@ def test_inspect_collapses_identical_layers(plan_file: Path) -> None:
     assert [g.layers for g in groups] == [(None,), ("h.0", "h.1")]
 
 
+@pytest.fixture(scope="module")
+def pp_plan_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("cli-pp") / "pp-plan.json"
+    out = invoke("plan", *PP_CPU, "--schedule", "1f1b", "--microbatches", "4", "-o", str(path))
+    assert "schedule 1f1b, 4 microbatches" in out and f"wrote {path}" in out
+    return path
+
+
+def test_inspect_pipelined_plan_shows_stages_and_timeline(pp_plan_file: Path) -> None:
+    plan = Plan.load(pp_plan_file)
+    assert plan.pipeline is not None and plan.pipeline.schedule == "1f1b"
+    assert plan.mesh_shape == (2, 2) and plan.stage_mesh_shape == (2,)
+    out = invoke("inspect", str(pp_plan_file))
+    for text in ("stage mesh", "schedule", "microbatches", "4 × 2 rows", "bubble", "timeline"):
+        assert text in out, text
+    assert re.search(r"│ axis roles\s+│ dp=\w+\s+│", out), out  # roles of the stage mesh only
+    header = re.search(r"┃ stage ┃ pipeline rank ┃ devices ┃ layers\s+┃ count ┃", out)
+    assert header is not None, out
+    rows = re.findall(r"^│\s+(\d+) │ (\d+)\s+│ (\S+)\s+│ (\S+)\s+│\s+(\d+) │$", out, re.M)
+    stages = plan.describe()["stages"]
+    assert rows == [
+        (
+            str(st["stage"]),
+            str(st["pipeline_rank"]),
+            _span(st["devices"]),
+            _span(st["layers"]),
+            str(len(st["layers"])),
+        )
+        for st in stages
+    ]
+    assert sum(len(st["layers"]) for st in stages) == 4
+    timeline = re.findall(r"^rank (\d+): ([FBW][\d. FBW]+)$", out, re.M)
+    assert timeline == [(str(r), row) for r, row in enumerate(plan.pipeline.timeline)]
+    assert all("F" in row and "B" in row for _, row in timeline)
+
+
+def _span(items: list) -> str:
+    return str(items[0]) if len(items) == 1 else f"{items[0]}..{items[-1]}"
+
+
+def test_timeline_lines_truncate_long_rows(pp_plan_file: Path) -> None:
+    plan = Plan.load(pp_plan_file)
+    lines = timeline_lines(plan, width=30)
+    assert len(lines) == 2
+    for r, (line, row) in enumerate(zip(lines, plan.pipeline.timeline, strict=True)):
+        actions = row.split()
+        assert len(line) <= 30 and line.startswith(f"rank {r}: {actions[0]} ")
+        assert line.endswith(f" {actions[-1]}")
+        head, hidden, tail = re.fullmatch(rf"rank {r}: (.*) … \+(\d+) … (.*)", line).groups()
+        assert len(head.split()) + int(hidden) + len(tail.split()) == len(actions)
+
+
 def test_edge_collectives_text() -> None:
     mesh, names = (2, 4), ("node", "gpu")
     assert (
@@ -92,6 +145,18 @@ def test_bench_table_and_csv(tmp_path: Path) -> None:
         (["plan", *TINY_CPU, "--strategy", "zero"], "unknown strategy zero"),
         (["run", "gpt", "--nproc", "2", "--mesh", "2x2"], "--mesh 2x2 has 4 devices"),
         (["bench", "nope"], "unknown sample 'nope'"),
+        (
+            ["plan", *PP_CPU, "--schedule", "zigzag"],
+            "unknown schedule 'zigzag'; choose from gpipe, 1f1b, interleaved1f1b, "
+            "interleavedzb, zbv, dualpipev",
+        ),
+        (
+            ["run", "gpt", "--nproc", "4", "--axis-names", "pp,dp", "--schedule", "zigzag"],
+            "unknown schedule 'zigzag'",
+        ),
+        (["plan", *TINY_CPU, "--schedule", "1f1b"], "--microbatches/--schedule need pipelining"),
+        (["plan", *PP_CPU, "--microbatches", "3"], "--microbatches 3 does not divide"),
+        (["plan", *TINY_CPU, "--pipeline-stages", "3"], "--pipeline-stages 3 does not divide"),
     ],
 )
 def test_bad_input_is_one_line(args: list[str], message: str) -> None:

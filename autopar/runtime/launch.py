@@ -2,8 +2,10 @@
 
 Every rank builds the sample with `torch.manual_seed(0)` and the same global batch; rank 0
 also trains a copy on one device (AdamW, lr 1e-3, the same batch every step) for reference.
-Then `autopar.compile` and `steps` training steps; rank 0 prints the plan summary, one line
-per step comparing the loss with the single-device loss, and the largest difference.
+Then `autopar.compile` (pipelined with `--pipeline-stages`/a mesh axis named "pp",
+`--microbatches`, `--schedule`) and `steps` training steps; rank 0 prints the plan summary
+(and the pipeline timeline), one line per step comparing the loss with the single-device
+loss, and the largest difference.
 A failing rank raises, so torchrun exits non-zero.
 """
 
@@ -31,6 +33,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strategy", default="auto", help="auto|dp|fsdp|tp or per axis: dp,tp")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--plan", default=None, help="apply this saved plan instead of searching")
+    p.add_argument("--pipeline-stages", type=int, default=None, help="pipeline stages")
+    p.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches")
+    p.add_argument("--schedule", default=None, help="pipeline schedule, e.g. 1f1b")
     return p.parse_args(argv)
 
 
@@ -50,6 +55,7 @@ def reference_losses(model: nn.Module, batch: Sequence[torch.Tensor], steps: int
 
 def train(args: argparse.Namespace, rank: int) -> None:
     import autopar
+    from autopar.plan_views import timeline_text
     from samples import get_sample
 
     sample = get_sample(args.sample)
@@ -67,9 +73,14 @@ def train(args: argparse.Namespace, rank: int) -> None:
         strategy=strategy[0] if len(strategy) == 1 else strategy,
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
         plan=args.plan,
+        pipeline_stages=args.pipeline_stages,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
     )
     if rank == 0:
         print(pm.plan.summary(), flush=True)
+        if pm.plan.pipeline is not None:
+            print(timeline_text(pm.plan), flush=True)
     worst = 0.0
     for step in range(args.steps):
         loss = pm.step(*batch)

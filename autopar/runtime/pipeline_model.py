@@ -88,7 +88,9 @@ class PipelineModel:
         self.schedule.step(*args, **kwargs) if self._first else self.schedule.step(**kwargs)
         self._sync_tied_grads()
         local = (
-            torch.stack(losses).mean() if losses and self._is_first_replica() else torch.zeros(())
+            torch.stack([loss.detach() for loss in losses]).mean()
+            if losses and self._is_first_replica()
+            else torch.zeros(())
         )
         dist.all_reduce(local)
         return local

@@ -38,4 +38,4 @@ def get_rule(op: object) -> Rule | None:
     return RULES.get(op)  # type: ignore[call-overload]
 
 
-from autopar.passes.strategies.rules import attention  # noqa: E402, F401  (registers rules)
+from autopar.passes.strategies.rules import attention, fused  # noqa: E402, F401  (registers rules)

@@ -1,0 +1,410 @@
+"""Fusion: replace matched regions of the captured forward graph by one autopar kernel call.
+
+``fuse_regions(captured, kernels="triton") -> list[FusedRegion]`` rewrites ``captured.gm``
+(core ATen, after capture, before planning) in place. Each matched region becomes one call
+of an ``autopar::*`` custom op (:mod:`autopar.kernels`) followed by ``getitem`` nodes for
+its outputs. The search then plans the fused op like any other node (strategies:
+:mod:`autopar.passes.strategies.rules.fused`), and lowering runs it on DTensors (the fused
+forward and backward ops are registered into DTensor's propagator), so the per-rank program
+holds one fused node in forward and one in backward, with collectives only around it: a
+fused region never spans a collective, by construction.
+
+Patterns (``PATTERNS``: name, matcher, handler), tried in this order:
+
+* ``add_layer_norm``: ``getitem(native_layer_norm(add(x, r), [C], w, b, eps), 0)``, with
+  ``x`` and ``r`` of the same shape and dtype (no broadcast) and only output 0 of the norm
+  used. The add may have other users: they read output ``s`` of the fused op.
+* ``add_rms_norm``: residual add + Llama's RMSNorm as export decomposes it,
+  ``mul(type_as(s32 * rsqrt(mean(s32 ** 2, -1, keepdim) + eps)), w)`` with
+  ``s32 = s.float()`` and ``s = add(x, r)`` (the casts are absent in fp32). Numerics: the
+  kernel multiplies by the weight in fp32 and rounds once (one bf16 ulp from HF's order).
+* ``swiglu``: ``mul(silu(a), b)`` where ``silu`` is ``aten.silu`` or its decomposition
+  ``mul(a, sigmoid(a))``, single-use, ``a`` and ``b`` of the same shape and dtype.
+
+Every new node gets ``meta["val"]`` (the op's fake implementation run on the inputs' fake
+values) and the ``nn_module_stack`` / ``stack_trace`` of the last node it replaces, so
+layer grouping (:func:`autopar.capture.layer_of`) keeps working. The captured graph's
+fingerprint is recomputed when anything was fused (a plan of the unfused graph then does
+not apply to the fused one).
+
+Kernels run only when :func:`autopar.kernels.available` (a CUDA device, or
+``TRITON_INTERPRET=1`` set before triton is imported); otherwise the graph is left as is.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from autopar.capture.export import Captured, graph_fingerprint
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+KERNELS = ("triton", "none")
+_UNAVAILABLE = (
+    "Triton kernels unavailable (no GPU, TRITON_INTERPRET unset): leaving the graph unfused"
+)
+_warned_unavailable = False
+
+
+@dataclass(frozen=True, slots=True)
+class FusedRegion:
+    """One fused region: the kernel (``autopar::<kernel>``), the fused node's name in
+    ``captured.gm`` and the names of the nodes it replaced, in graph order."""
+
+    kernel: str
+    node: str
+    replaced: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, object]:
+        return {"kernel": self.kernel, "node": self.node, "replaced": list(self.replaced)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> FusedRegion:
+        return cls(str(d["kernel"]), str(d["node"]), tuple(d["replaced"]))
+
+
+@dataclass
+class Match:
+    """A matched region.
+
+    ``replaced``: every node the fused op makes dead (erased after rewiring); ``outputs``:
+    (node, index) pairs, the uses of ``node`` then read output ``index`` of the fused op
+    (``None``: the op returns a single tensor); ``args``: the fused op's arguments.
+    """
+
+    replaced: list[fx.Node]
+    outputs: list[tuple[fx.Node, int | None]]
+    args: tuple
+
+
+class Pattern(NamedTuple):
+    """``matcher(node)`` is tried on every call_function node (the region's last op) and
+    returns a :class:`Match` or None; ``handler()`` gives the fused custom op."""
+
+    name: str
+    matcher: Callable[[fx.Node], Match | None]
+    handler: Callable[[], torch._ops.OpOverload]
+
+
+def _is(node: object, *targets: object) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _val(node: object) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _only_users(node: fx.Node, allowed: Sequence[fx.Node]) -> bool:
+    return all(u in allowed for u in node.users)
+
+
+def _residual_add(node: object) -> tuple[fx.Node, fx.Node] | None:
+    """``(x, r)`` if ``node`` is ``add(x, r)`` of two tensors of one shape and dtype."""
+    if not _is(node, aten.add.Tensor) or node.kwargs.get("alpha", 1) != 1:  # type: ignore[union-attr]
+        return None
+    if len(node.args) != 2:  # type: ignore[union-attr]
+        return None
+    x, r = node.args  # type: ignore[union-attr]
+    vx, vr, vs = _val(x), _val(r), _val(node)
+    if vx is None or vr is None or vs is None or vx.dim() == 0:
+        return None
+    if vx.shape != vr.shape or vx.shape != vs.shape or not (vx.dtype == vr.dtype == vs.dtype):
+        return None
+    if not vx.dtype.is_floating_point:
+        return None
+    return x, r  # type: ignore[return-value]
+
+
+def _row_param(node: object, n_cols: int) -> bool:
+    """None, or a tensor of shape (n_cols,)."""
+    if node is None:
+        return True
+    val = _val(node)
+    return val is not None and tuple(val.shape) == (n_cols,)
+
+
+# ------------------------------------------------------------------ (a) add + LayerNorm
+
+
+def match_add_layer_norm(node: fx.Node) -> Match | None:
+    """``getitem(native_layer_norm(add(x, r), [C], w, b, eps), 0)`` -> ``add_layer_norm``."""
+    if node.target is not operator.getitem or node.args[1] != 0:
+        return None
+    ln = node.args[0]
+    if not _is(ln, aten.native_layer_norm.default):
+        return None
+    s, shape, weight, bias, eps = ln.args  # type: ignore[union-attr]
+    xr = _residual_add(s)
+    if xr is None:
+        return None
+    vs = _val(s)
+    n_cols = vs.shape[-1]  # type: ignore[union-attr]
+    if list(shape) != [n_cols] or not (_row_param(weight, n_cols) and _row_param(bias, n_cols)):
+        return None
+    outs = list(ln.users)  # type: ignore[union-attr]
+    if outs != [node] or _val(node) is None or _val(node).dtype != vs.dtype:  # type: ignore[union-attr]
+        return None
+    return Match(
+        replaced=[s, ln, node],  # type: ignore[list-item]
+        outputs=[(node, 0), (s, 1)],  # type: ignore[list-item]
+        args=(*xr, weight, bias, float(eps)),
+    )
+
+
+# ------------------------------------------------------------------ (c) add + RMSNorm
+
+
+def _strip_cast(node: object, dtype: torch.dtype | None = None) -> object:
+    """The input of ``_to_copy(x, dtype=...)`` (a pure dtype cast), else ``node``."""
+    if not _is(node, aten._to_copy.default) or len(node.args) != 1:  # type: ignore[union-attr]
+        return node
+    if set(node.kwargs) - {"dtype"}:  # type: ignore[union-attr]
+        return node
+    if dtype is not None and node.kwargs.get("dtype") != dtype:  # type: ignore[union-attr]
+        return node
+    return node.args[0]  # type: ignore[union-attr]
+
+
+def _mul_operands(node: object) -> tuple[object, object] | None:
+    if not _is(node, aten.mul.Tensor) or len(node.args) != 2:  # type: ignore[union-attr]
+        return None
+    return node.args  # type: ignore[union-attr,return-value]
+
+
+def _rms_normed(nm: object) -> tuple[fx.Node, fx.Node, float, list[fx.Node]] | None:
+    """``nm = mul(s32, rsqrt(add(mean(pow(s32, 2), [-1], True), eps)))``:
+    ``(s32, rsqrt, eps, chain)`` (``chain``: the statistics nodes, graph order)."""
+    ops = _mul_operands(nm)
+    if ops is None:
+        return None
+    for s32, rs in (ops, ops[::-1]):
+        if not _is(rs, aten.rsqrt.default) or not isinstance(s32, fx.Node):
+            continue
+        e = rs.args[0]  # type: ignore[union-attr]
+        if not _is(e, aten.add.Tensor) or not isinstance(e.args[1], float):  # type: ignore[union-attr]
+            continue
+        mean = e.args[0]  # type: ignore[union-attr]
+        if not _is(mean, aten.mean.dim) or mean.kwargs.get("dtype") is not None:  # type: ignore[union-attr]
+            continue
+        p = mean.args[0]  # type: ignore[union-attr]
+        vs = _val(s32)
+        if vs is None or not _is(p, aten.pow.Tensor_Scalar) or p.args != (s32, 2):  # type: ignore[union-attr]
+            continue
+        dims, keep = list(mean.args[1]), (mean.args[2] if len(mean.args) > 2 else False)  # type: ignore[union-attr]
+        if dims not in ([-1], [vs.dim() - 1]) or not keep:
+            continue
+        chain = [p, mean, e, rs]
+        if all(len(n.users) == 1 for n in chain):  # type: ignore[union-attr]
+            return s32, rs, float(e.args[1]), chain  # type: ignore[union-attr,return-value]
+    return None
+
+
+def match_add_rms_norm(node: fx.Node) -> Match | None:
+    """Residual add + Llama RMSNorm (``x.float()``, ``type_as`` casts optional) ->
+    ``add_rms_norm``. ``node`` is the final ``mul(normed, weight)``."""
+    ops = _mul_operands(node)
+    vy = _val(node)
+    if ops is None or vy is None:
+        return None
+    for cast, weight in (ops, ops[::-1]):
+        if not isinstance(weight, fx.Node) or not isinstance(cast, fx.Node):
+            continue
+        nm = _strip_cast(cast)
+        found = _rms_normed(nm)
+        if found is None:
+            continue
+        s32, _rs, eps, chain = found
+        s = _strip_cast(s32, torch.float32)
+        xr = _residual_add(s)
+        if xr is None:
+            continue
+        vs = _val(s)
+        if vs.dtype != vy.dtype or vy.shape != vs.shape or not _row_param(weight, vs.shape[-1]):  # type: ignore[union-attr]
+            continue
+        region = [s, *([s32] if s32 is not s else []), *chain, nm]
+        region += [*([cast] if cast is not nm else []), node]
+        # the fp32 copy, the statistics and the normalized value feed only the region
+        if s32 is not s and not _only_users(s32, region):
+            continue
+        if len(nm.users) != 1 or (cast is not nm and len(cast.users) != 1):  # type: ignore[union-attr]
+            continue
+        return Match(
+            replaced=region,  # type: ignore[arg-type]
+            outputs=[(node, 0), (s, 1)],  # type: ignore[list-item]
+            args=(*xr, weight, eps),
+        )
+    return None
+
+
+# ------------------------------------------------------------------ (b) SwiGLU
+
+
+def _silu_input(node: object) -> tuple[fx.Node, list[fx.Node]] | None:
+    """``(a, nodes)`` if ``node`` computes ``silu(a)`` (``nodes``: the ones it replaces)."""
+    if _is(node, aten.silu.default):
+        return node.args[0], [node]  # type: ignore[union-attr,return-value]
+    ops = _mul_operands(node)
+    if ops is None:
+        return None
+    for a, sig in (ops, ops[::-1]):
+        if _is(sig, aten.sigmoid.default) and sig.args[0] is a and len(sig.users) == 1:  # type: ignore[union-attr]
+            return a, [sig, node]  # type: ignore[list-item,return-value]
+    return None
+
+
+def match_swiglu(node: fx.Node) -> Match | None:
+    """``mul(silu(a), b)`` (either order) with a single-use silu -> ``swiglu(a, b)``."""
+    ops = _mul_operands(node)
+    vy = _val(node)
+    if ops is None or vy is None:
+        return None
+    for silu, b in (ops, ops[::-1]):
+        found = _silu_input(silu)
+        if found is None or not isinstance(b, fx.Node) or len(silu.users) != 1:  # type: ignore[union-attr]
+            continue
+        a, nodes = found
+        va, vb = _val(a), _val(b)
+        if va is None or vb is None or va.dim() == 0 or not va.dtype.is_floating_point:
+            continue
+        if not (va.shape == vb.shape == vy.shape and va.dtype == vb.dtype == vy.dtype):
+            continue
+        return Match(replaced=[*nodes, node], outputs=[(node, None)], args=(a, b))
+    return None
+
+
+def _op(name: str) -> Callable[[], torch._ops.OpOverload]:
+    return lambda: getattr(torch.ops.autopar, name).default
+
+
+PATTERNS: list[Pattern] = [
+    Pattern("add_layer_norm", match_add_layer_norm, _op("add_layer_norm")),
+    Pattern("add_rms_norm", match_add_rms_norm, _op("add_rms_norm")),
+    Pattern("swiglu", match_swiglu, _op("swiglu")),
+]
+
+
+# ------------------------------------------------------------------ rewriting
+
+
+def _fake_val(op: torch._ops.OpOverload, args: tuple) -> object:
+    """The op's output for the inputs' fake values (its registered fake implementation)."""
+    vals = fx.node.map_arg(args, lambda n: n.meta["val"])
+    mode = detect_fake_mode(vals)
+    if mode is None:  # plain meta values: run on meta
+        return op(*fx.node.map_aggregate(vals, _to_meta))
+    with mode:
+        return op(*vals)
+
+
+def _to_meta(v: object) -> object:
+    return v.to("meta") if isinstance(v, torch.Tensor) else v
+
+
+def _copy_meta(dst: fx.Node, src: fx.Node, val: object) -> None:
+    dst.meta["val"] = val
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "from_node"):
+        if key in src.meta:
+            dst.meta[key] = src.meta[key]
+
+
+def _rewrite(gm: fx.GraphModule, pattern: Pattern, match: Match) -> fx.Node | None:
+    """Insert the fused call, rewire the region's outputs, erase the region.
+
+    The call goes right after the latest of its inputs and the region's first node; it is
+    skipped (None) when an outside user of an output comes before that point.
+    """
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    inputs = [a for a in match.args if isinstance(a, fx.Node)]
+    first = min(match.replaced, key=order.__getitem__)
+    point = max([first, *inputs], key=order.__getitem__)
+    region = set(match.replaced)
+    for out, _ in match.outputs:
+        if any(u not in region and order[u] <= order[point] for u in out.users):
+            return None
+    op = pattern.handler()
+    last = max(match.replaced, key=order.__getitem__)
+    val = _fake_val(op, match.args)
+    with graph.inserting_after(point):
+        fused = graph.create_node("call_function", op, match.args, name=pattern.name)
+    _copy_meta(fused, last, val)
+    anchor = fused
+    for out, index in match.outputs:
+        if index is None:
+            new = fused
+        else:
+            with graph.inserting_after(anchor):
+                new = graph.call_function(operator.getitem, (fused, index))
+            _copy_meta(new, last, val[index])  # type: ignore[index]
+            anchor = new
+        out.replace_all_uses_with(new)
+    for node in sorted(match.replaced, key=order.__getitem__, reverse=True):
+        graph.erase_node(node)
+    return fused
+
+
+def _kernels_available() -> bool:
+    try:
+        from autopar.kernels import available
+    except ImportError:  # triton not installed
+        return False
+    return available()
+
+
+def fuse_regions(captured: Captured, kernels: str = "triton") -> list[FusedRegion]:
+    """Replace every matched region of ``captured.gm`` by one fused kernel call.
+
+    ``kernels``: ``"triton"`` (autopar's Triton kernels) or ``"none"`` (no fusion).
+    Returns the regions in the order they were fused; ``captured.gm`` is recompiled and
+    ``captured.fingerprint`` recomputed when any was.
+    """
+    global _warned_unavailable
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels={kernels!r}: expected one of {KERNELS}")
+    if kernels == "none":
+        return []
+    if not _kernels_available():
+        if not _warned_unavailable:
+            _warned_unavailable = True
+            log.warning(_UNAVAILABLE)
+        return []
+    from autopar.passes.strategies.rules import fused
+
+    fused.register()  # strategies for the fused ops (planning and DTensor execution)
+    gm = captured.gm
+    regions: list[FusedRegion] = []
+    for pattern in PATTERNS:
+        dead: set[fx.Node] = set()
+        for node in list(gm.graph.nodes):
+            if node in dead or node.op != "call_function":
+                continue
+            match = pattern.matcher(node)
+            if match is None:
+                continue
+            order = {n: i for i, n in enumerate(gm.graph.nodes)}
+            names = tuple(n.name for n in sorted(match.replaced, key=order.__getitem__))
+            new = _rewrite(gm, pattern, match)
+            if new is None:
+                continue
+            dead.update(match.replaced)
+            regions.append(FusedRegion(pattern.name, new.name, names))
+    if regions:
+        gm.graph.lint()
+        gm.recompile()
+        captured.fingerprint = graph_fingerprint(captured)
+        log.info(
+            "fused %d regions: %s",
+            len(regions),
+            ", ".join(f"{r.kernel}({r.node})" for r in regions),
+        )
+    return regions
