@@ -40,6 +40,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     microbatches: int | None = None,
     schedule: str | None = None,
     stage_cuts: Sequence[int] | None = None,
+    fusion: str = "none",
 ) -> ParallelModel | PipelineModel:
     """Plan (or apply `plan`) and build this rank's share of the model for training.
 
@@ -47,6 +48,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     Pipelining: name the first mesh axis "pp" or pass `pipeline_stages`; `microbatches`,
     `schedule` (gpipe, 1f1b, interleaved1f1b, interleavedzb, zbv, dualpipev) and
     `stage_cuts` (first layer of each stage) pin what the search would choose.
+    `fusion="triton"` swaps matched regions (residual add + LayerNorm/RMSNorm, SwiGLU) for
+    autopar's Triton kernels; without a GPU they run only under TRITON_INTERPRET=1.
     """
     if not dist.is_initialized():
         raise RuntimeError(
@@ -68,13 +71,15 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         schedule,
         stage_cuts,
         plan,
+        fusion,
     )
     captured = capture(model, job.capture_batch(example_inputs), loss_fn)
+    fused = job.fuse(captured)
     mesh = job.cluster.device_mesh()
     if plan is not None:
         check_plan_matches(plan, captured, job.cluster)
     else:
-        plan = _plan_on_rank0(captured, job, mesh)
+        plan = _plan_on_rank0(captured, job, mesh, fused)
     verify_same_plan(plan)
     if plan.pipeline is not None:
         return PipelineModel(model, captured, plan, mesh, optimizer)
@@ -95,6 +100,7 @@ def plan(
     microbatches: int | None = None,
     schedule: str | None = None,
     stage_cuts: Sequence[int] | None = None,
+    fusion: str = "none",
 ) -> Plan:
     """Search a plan without processes or weights (the model may be on the meta device)."""
     job = _Job.make(
@@ -108,8 +114,10 @@ def plan(
         microbatches,
         schedule,
         stage_cuts,
+        fusion=fusion,
     )
     captured = capture(model, job.capture_batch(example_inputs), loss_fn)
+    fused = job.fuse(captured)
     cluster = job.cluster
     owns_group = not dist.is_initialized()
     if owns_group:
@@ -121,7 +129,7 @@ def plan(
             "cluster of the job's size"
         )
     try:
-        return job.search(captured, cluster.device_mesh(device_type="cpu"))
+        return job.search(captured, cluster.device_mesh(device_type="cpu"), fused)
     finally:
         if owns_group:
             dist.destroy_process_group()
@@ -143,13 +151,13 @@ def check_plan_matches(plan: Plan, captured: Captured, cluster: Cluster) -> None
         )
 
 
-def _plan_on_rank0(captured: Captured, job: _Job, mesh) -> Plan:
+def _plan_on_rank0(captured: Captured, job: _Job, mesh, fused: tuple[dict, ...]) -> Plan:
     """Rank 0 searches; the others receive its plan (solvers with time limits are not
     guaranteed to answer identically on every rank)."""
     box: list[object] = [None]
     if dist.get_rank() == 0:
         try:
-            box[0] = job.search(captured, mesh).to_json()
+            box[0] = job.search(captured, mesh, fused).to_json()
         except Exception as exc:  # the other ranks must not wait forever for a plan
             box[0] = exc
     dist.broadcast_object_list(box, src=0)

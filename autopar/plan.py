@@ -71,6 +71,10 @@ class NodePlan:
     dtypes: tuple[str | None, ...] = ()
 
 
+def _fused(raw: dict) -> dict:
+    return {**raw, "replaced": list(raw.get("replaced", ()))}
+
+
 def _node_plan(raw: dict) -> NodePlan:
     shapes = tuple(None if s is None else tuple(s) for s in raw.get("shapes", ()))
     return NodePlan(
@@ -131,6 +135,7 @@ class Plan:
     predicted_peak_memory: float
     solver: dict = field(default_factory=dict)
     pipeline: PipelinePlan | None = None
+    fusion: tuple[dict, ...] = ()  # fused regions: {"kernel", "node", "replaced"}
     schema_version: int = SCHEMA_VERSION
 
     # ---- lookups -------------------------------------------------------------------
@@ -198,6 +203,7 @@ class Plan:
             predicted_peak_memory=data["predicted_peak_memory"],
             solver=data.get("solver", {}),
             pipeline=PipelinePlan.from_dict(data["pipeline"]) if data.get("pipeline") else None,
+            fusion=tuple(_fused(r) for r in data.get("fusion", ())),
         )
         if stored_hash is not None and stored_hash != plan.content_hash:
             raise ValueError(

@@ -24,7 +24,32 @@ from autopar.runtime.shards import gather_full, local_chunk
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 
 
-class ParallelModel:
+class TrainingSteps:
+    """What every compiled model does the same way around its own `forward_backward`."""
+
+    plan: Plan
+    optimizer: torch.optim.Optimizer | None
+
+    def forward_backward(self, *batch: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def optimizer_step(self) -> None:
+        """Apply the optimizer to the local shards and clear their gradients."""
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, *batch: torch.Tensor) -> float:
+        """Forward + backward + optimizer step on the global batch; returns the global loss."""
+        loss = self.forward_backward(*batch)
+        self.optimizer_step()
+        return float(loss)
+
+    def save_plan(self, path: str) -> None:
+        self.plan.save(path)
+
+
+class ParallelModel(TrainingSteps):
     """The compiled model: `.plan`, `.step(*batch)`, `.full_state_dict()`, `.save_plan()`."""
 
     def __init__(
@@ -73,18 +98,6 @@ class ParallelModel:
             self.local_params[name].grad = grad
         return loss
 
-    def optimizer_step(self) -> None:
-        """Apply the optimizer to the local shards and clear their gradients."""
-        if self.optimizer is not None:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-
-    def step(self, *batch: torch.Tensor) -> float:
-        """Forward + backward + optimizer step on the global batch; returns the global loss."""
-        loss = self.forward_backward(*batch)
-        self.optimizer_step()
-        return float(loss)
-
     # ---- state -----------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters and buffers under the model's own state_dict names."""
@@ -99,9 +112,6 @@ class ParallelModel:
     def local_grads(self) -> dict[str, torch.Tensor | None]:
         """This rank's gradient shard per parameter FQN (after `forward_backward`)."""
         return {self.captured.params[n]: p.grad for n, p in self.local_params.items()}
-
-    def save_plan(self, path: str) -> None:
-        self.plan.save(path)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _shard(self, name: str) -> torch.Tensor:

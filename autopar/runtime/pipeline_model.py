@@ -12,7 +12,7 @@ from torch.distributed.pipelining import schedules as pp_schedules
 from autopar.capture import Captured
 from autopar.passes.stages import split_stages
 from autopar.plan import Plan, parse_spec
-from autopar.runtime.parallel_model import OptimizerFactory
+from autopar.runtime.parallel_model import OptimizerFactory, TrainingSteps
 from autopar.runtime.pipeline import (
     SCHEDULES,
     StageModule,
@@ -23,7 +23,7 @@ from autopar.runtime.pipeline import (
 from autopar.runtime.shards import gather_full, local_chunk
 
 
-class PipelineModel:
+class PipelineModel(TrainingSteps):
     """`.plan`, `.step(*batch)`, `.forward_backward`, `.optimizer_step`, `.full_state_dict`."""
 
     def __init__(
@@ -95,16 +95,6 @@ class PipelineModel:
         dist.all_reduce(local)
         return local
 
-    def optimizer_step(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-
-    def step(self, *batch: torch.Tensor) -> float:
-        loss = self.forward_backward(*batch)
-        self.optimizer_step()
-        return float(loss)
-
     # ---- state -------------------------------------------------------------------------
     def local_grads(self) -> dict[str, torch.Tensor | None]:
         out = {}
@@ -128,9 +118,6 @@ class PipelineModel:
         for name, fqn in self.captured.buffers.items():
             merged.setdefault(fqn, self._buffer_full(name))
         return merged
-
-    def save_plan(self, path: str) -> None:
-        self.plan.save(path)
 
     # ---- helpers -----------------------------------------------------------------------
     def _microbatched_local(self, name: str, full: torch.Tensor) -> torch.Tensor:

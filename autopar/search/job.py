@@ -16,6 +16,8 @@ from autopar.search.inter_op import PipelineOptions, search_pipeline
 from autopar.search.intra_op import search_plan
 from autopar.search.pins import SearchOptions
 
+FUSION_CHOICES = ("none", "triton")
+
 
 def with_pipeline_axis(cluster: Cluster, stages: int | None) -> Cluster:
     """The cluster with its pipeline axis named "pp" first, and at least one other axis.
@@ -67,6 +69,7 @@ class _Job:
     cluster: Cluster
     options: SearchOptions
     pipeline: PipelineOptions | None
+    fusion: str = "none"
 
     @classmethod
     def make(
@@ -82,6 +85,7 @@ class _Job:
         schedule=None,
         stage_cuts=None,
         plan: Plan | None = None,
+        fusion: str = "none",
     ) -> _Job:
         options = SearchOptions(
             strategy=strategy,
@@ -89,12 +93,16 @@ class _Job:
             memory_limit=memory_limit,
             time_limit_s=time_limit_s,
         )
+        if fusion not in FUSION_CHOICES:
+            raise ValueError(f"fusion={fusion!r}: choose one of {', '.join(FUSION_CHOICES)}")
+        if plan is not None:
+            fusion = "triton" if plan.fusion else "none"
         if plan is not None and plan.pipeline is not None:
             pipeline_stages = plan.pipeline.pp
             microbatches = plan.pipeline.microbatches
         cluster = with_pipeline_axis(cluster, pipeline_stages)
         if "pp" not in cluster.axis_names:
-            return cls(cluster, options, None)
+            return cls(cluster, options, None, fusion)
         pp = cluster.mesh_shape[0]
         rows = batch[0].shape[0]
         m = microbatches or _default_microbatches(rows, pp)
@@ -104,7 +112,7 @@ class _Job:
                 f"microbatches={m}; pick a divisor of {rows}"
             )
         cuts = tuple(stage_cuts) if stage_cuts is not None else None
-        return cls(cluster, options, PipelineOptions(m, schedule, cuts))
+        return cls(cluster, options, PipelineOptions(m, schedule, cuts), fusion)
 
     def capture_batch(self, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Pipelined graphs are captured on one microbatch (the shapes each stage runs)."""

@@ -1,0 +1,270 @@
+"""Fusion pass: matched regions, same loss and gradients, plans and lowering of fused graphs,
+and the numerics of every sharding strategy of the fused ops (forward and backward).
+
+Triton kernels run in the interpreter here (conftest sets TRITON_INTERPRET=1 before triton
+is imported). Strategy numerics: inputs become DTensors with the strategy's input specs on
+a (2, 2) mesh simulated by ``LocalTensorMode``; DTensor must put each output where the
+strategy says and the values must match the unsharded op; then backward through DTensor
+(the ``*_backward`` ops' registered strategies) must give the unsharded gradients, the
+row-sharded ones sharded like their inputs, the weight/bias ones Partial on the axes that
+shard rows.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from autopar import kernels
+from autopar._compat import FakeStore, LocalTensorMode
+from autopar.capture import Captured, capture
+from autopar.cluster import Cluster
+from autopar.passes import fusion
+from autopar.passes.fusion import FusedRegion, fuse_regions
+from autopar.passes.lower import lower_plan
+from autopar.passes.strategies import node_strategies
+from autopar.plan import parse_spec
+from autopar.runtime.shards import local_chunk
+from autopar.search.intra_op import search_plan
+from autopar.search.pins import SearchOptions
+from samples import get_sample
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="Triton kernels unavailable")
+
+aten = torch.ops.aten
+MESH = (2, 2)
+ATOL, RTOL = 1e-5, 1e-4
+
+
+class Case:
+    """A tiny sample: its model and batch, the captured graph and a fused capture."""
+
+    def __init__(self, name: str) -> None:
+        sample = get_sample(name)
+        torch.manual_seed(0)
+        self.model = sample.build("tiny")
+        self.batch = sample.example_batch(self.model, 4)
+        self.plain = capture(self.model, self.batch)
+        self.fused = capture(self.model, self.batch)
+        self.regions = fuse_regions(self.fused)
+
+    def inputs(self, captured: Captured) -> list[torch.Tensor]:
+        state = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
+        user = dict(zip(captured.user_inputs, self.batch, strict=True))
+        out = []
+        for ph in captured.placeholders():
+            fqn = captured.params.get(ph.name) or captured.buffers.get(ph.name)
+            if fqn is not None:
+                out.append(state[fqn])
+            else:
+                out.append(captured.constants.get(ph.name, user.get(ph.name)))
+        return out
+
+    def kinds(self) -> collections.Counter[str]:
+        return collections.Counter(r.kernel for r in self.regions)
+
+    def node(self, region: FusedRegion) -> fx.Node:
+        return next(n for n in self.fused.gm.graph.nodes if n.name == region.node)
+
+
+@pytest.fixture(scope="module")
+def gpt() -> Case:
+    return Case("gpt")
+
+
+@pytest.fixture(scope="module")
+def llama() -> Case:
+    return Case("llama")
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[DeviceMesh]:
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    yield init_device_mesh("cpu", MESH)
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- (a) what is fused
+
+
+def test_gpt_regions(gpt: Case) -> None:
+    # residual add + LayerNorm: ln_2 of each block, ln_1 of block 1. The first add
+    # (token + position embedding) broadcasts and the final norm's sum is not read again.
+    assert gpt.kinds() == {"add_layer_norm": 3}
+    targets = collections.Counter(str(n.target) for n in gpt.fused.gm.graph.nodes)
+    assert targets["autopar.add_layer_norm.default"] == 3
+    assert targets["aten.native_layer_norm.default"] == 5 - 3
+    for r in gpt.regions:
+        assert [n.split("_")[0] for n in r.replaced] == ["add", "native", "getitem"], r
+        node = gpt.node(r)
+        y, s = node.meta["val"]
+        assert y.shape == s.shape == (4, 16, 32)
+    assert [gpt.fused.layer_of(gpt.node(r)) for r in gpt.regions] == ["h.0", "h.1", "h.1"]
+    layers = {gpt.fused.layer_of(n) for n in gpt.fused.gm.graph.nodes} - {None}
+    assert layers == {"h.0", "h.1"}
+    assert gpt.fused.fingerprint != gpt.plain.fingerprint
+
+
+def test_llama_regions(llama: Case) -> None:
+    assert llama.kinds() == {"swiglu": 2, "add_rms_norm": 3}
+    targets = collections.Counter(str(n.target) for n in llama.fused.gm.graph.nodes)
+    assert targets["aten.sigmoid.default"] == 0 and targets["aten.rsqrt.default"] == 5 - 3
+    rms = next(r for r in llama.regions if r.kernel == "add_rms_norm")
+    ops = [n.rstrip("_0123456789") for n in rms.replaced]
+    assert ops == ["add", "pow", "mean", "add", "rsqrt", "mul", "mul"]
+    swiglu = next(r for r in llama.regions if r.kernel == "swiglu")
+    assert [n.rstrip("_0123456789") for n in swiglu.replaced] == ["sigmoid", "mul", "mul"]
+    assert llama.node(swiglu).meta["val"].shape == (4, 16, 64)
+    assert {llama.fused.layer_of(llama.node(r)) for r in llama.regions} == {
+        "layers.0",
+        "layers.1",
+    }
+
+
+def test_none_and_unavailable(
+    gpt: Case, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    captured = capture(gpt.model, gpt.batch)
+    before = captured.fingerprint
+    assert fuse_regions(captured, kernels="none") == []
+    monkeypatch.setattr(fusion, "_kernels_available", lambda: False)
+    monkeypatch.setattr(fusion, "_warned_unavailable", False)
+    with caplog.at_level(logging.WARNING, logger=fusion.__name__):
+        assert fuse_regions(captured) == [] and fuse_regions(captured) == []
+    assert [r.message for r in caplog.records if r.name == fusion.__name__] == [
+        "Triton kernels unavailable (no GPU, TRITON_INTERPRET unset): leaving the graph unfused"
+    ]
+    assert captured.fingerprint == before
+    with pytest.raises(ValueError, match="kernels="):
+        fuse_regions(captured, kernels="cuda")
+    r = gpt.regions[0]
+    assert FusedRegion.from_dict(r.to_dict()) == r
+
+
+# ---------------------------------------------------------------- (b) same numbers
+
+
+class _Run(fx.Interpreter):
+    """Runs a captured graph eagerly: capture drops layout clones, so a view may need a
+    contiguous input (lowering does the same per shard)."""
+
+    def call_function(self, target, args, kwargs):
+        if target is aten.view.default:
+            args = (args[0].contiguous(), *args[1:])
+        return super().call_function(target, args, kwargs)
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_same_loss_and_grads(name: str, request: pytest.FixtureRequest) -> None:
+    case: Case = request.getfixturevalue(name)
+    params = list(case.model.parameters())
+    losses, grads = [], []
+    for captured in (case.plain, case.fused):
+        out = _Run(captured.gm).run(*case.inputs(captured))
+        loss = out[0] if isinstance(out, (tuple, list)) else out
+        losses.append(loss)
+        grads.append(torch.autograd.grad(loss, params))
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=0)
+    for g_fused, g_plain in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(g_fused, g_plain, atol=1e-5, rtol=RTOL)
+
+
+# ---------------------------------------------------------------- (c) plans and lowering
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_plan_and_lower_fused_graph(
+    name: str, mesh: DeviceMesh, request: pytest.FixtureRequest
+) -> None:
+    case: Case = request.getfixturevalue(name)
+    cluster = Cluster.preset("cpu", mesh=MESH, axis_names=("dp", "tp"))
+    plan = search_plan(case.fused, cluster, mesh, SearchOptions(strategy=("dp", "tp")))
+    by_name = {n.name: n for n in plan.nodes}
+    for r in case.regions:
+        node = by_name[r.node]
+        assert node.op == f"autopar.{r.kernel}.default"
+        assert node.outputs[0].startswith("S(0),"), node  # dp: rows sharded on axis 0
+        assert not any(n in by_name for n in r.replaced)
+    # lowering: one fused node per region in forward and one in backward
+    tensors = {t.name: t for t in plan.tensors}
+    names = [p.name for p in case.fused.placeholders()]
+    state = dict(zip(names, case.inputs(case.fused), strict=True))
+    example = {}
+    for ph in case.fused.placeholders():
+        local = local_chunk(state[ph.name].detach(), parse_spec(tensors[ph.name].spec), mesh)
+        example[ph.name] = local.requires_grad_(ph.name in case.fused.params)
+    step = lower_plan(case.fused, plan, mesh, example)
+    traced = collections.Counter(str(n.target) for n in step.gm.graph.nodes)
+    for kernel, count in case.kinds().items():
+        assert traced[f"autopar.{kernel}.default"] == count
+        assert traced[f"autopar.{kernel}_backward.default"] == count
+    assert traced["_c10d_functional.all_reduce.default"] > 0
+
+
+# ---------------------------------------------------------------- (d) strategy numerics
+
+
+def _dtensor(t: torch.Tensor, spec: tuple, mesh: DeviceMesh) -> DTensor:
+    return distribute_tensor(t.detach(), mesh, list(spec)).requires_grad_()
+
+
+def _check_strategy(node: fx.Node, strategy, mesh: DeviceMesh) -> None:
+    gen = torch.Generator().manual_seed(0)
+    full = fx.node.map_arg(
+        node.args, lambda n: torch.randn(n.meta["val"].shape, generator=gen).requires_grad_()
+    )
+    leaves = [a for a in full if isinstance(a, torch.Tensor)]
+    outs = node.target(*full)
+    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    cots = [torch.randn(o.shape, generator=gen) for o in outs]
+    ref_grads = torch.autograd.grad(outs, leaves, cots)
+    msg = f"{node.name} {strategy}"
+    with LocalTensorMode(mesh.size()):
+        dts = [_dtensor(t, spec, mesh) for t, spec in zip(leaves, strategy.inputs, strict=True)]
+        it = iter(dts)
+        args = [next(it) if isinstance(a, torch.Tensor) else a for a in full]
+        douts = node.target(*args)
+        douts = list(douts) if isinstance(douts, (tuple, list)) else [douts]
+        for o, ref, claim in zip(douts, outs, strategy.outputs, strict=True):
+            assert tuple(o.placements) == claim, msg
+            torch.testing.assert_close(o.full_tensor(), ref.detach(), atol=ATOL, rtol=RTOL)
+        dcots = [
+            distribute_tensor(c, mesh, list(o.placements)) for c, o in zip(cots, douts, strict=True)
+        ]
+        grads = torch.autograd.grad(douts, dts, dcots)
+        row = strategy.inputs[0]
+        for i, (g, ref, spec) in enumerate(zip(grads, ref_grads, strategy.inputs, strict=True)):
+            if i < 2:  # x, residual / a, b: the gradient is sharded like the input
+                assert tuple(g.placements) == spec, msg
+            else:  # weight / bias: a sum over rows
+                want = tuple(Partial() if isinstance(p, Shard) else Replicate() for p in row)
+                assert tuple(g.placements) == want, msg
+            torch.testing.assert_close(g.full_tensor(), ref, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize(
+    ("name", "kernel"),
+    [("gpt", "add_layer_norm"), ("llama", "add_rms_norm"), ("llama", "swiglu")],
+)
+def test_fused_strategies_numerically(
+    name: str, kernel: str, mesh: DeviceMesh, request: pytest.FixtureRequest
+) -> None:
+    case: Case = request.getfixturevalue(name)
+    node = case.node(next(r for r in case.regions if r.kernel == kernel))
+    strategies = node_strategies(node, mesh, {})
+    ndim = node.args[0].meta["val"].dim()
+    dims = range(ndim) if kernel == "swiglu" else range(ndim - 1)
+    per_axis = [Replicate(), *(Shard(d) for d in dims)]
+    assert {s.inputs[0] for s in strategies} == {(a, b) for a in per_axis for b in per_axis}
+    for s in strategies:
+        assert all(spec == s.inputs[0] for spec in (*s.inputs[:2], *s.outputs)), s
+        assert all(spec == (Replicate(),) * 2 for spec in s.inputs[2:]), s
+        _check_strategy(node, s, mesh)
