@@ -268,3 +268,26 @@ def test_fused_strategies_numerically(
         assert all(spec == s.inputs[0] for spec in (*s.inputs[:2], *s.outputs)), s
         assert all(spec == (Replicate(),) * 2 for spec in s.inputs[2:]), s
         _check_strategy(node, s, mesh)
+
+
+@pytest.mark.multiproc
+def test_fused_models_train_like_single_device_under_tp_dp() -> None:
+    """GPT and Llama with Triton kernels (interpreted on CPU) on 4 gloo ranks, dp x tp."""
+    from autopar.testing.parity import LR, ParityCase, run_parity
+
+    cases = [
+        ParityCase(name, (2, 2), ("dp", "tp"), ("dp", "tp"), fusion="triton")
+        for name in ("gpt", "llama")
+    ]
+    failures = []
+    for res in run_parity(cases, 4):
+        line = (
+            f"{res.label}: loss {res.loss_rel_err:.1e} grad {res.grad_err:.1e} "
+            f"param {res.param_err:.1e}"
+        )
+        print(line)
+        if res.error:
+            failures.append(f"{res.label}: {res.error}")
+        elif res.loss_rel_err > 1e-5 or res.grad_err > 1e-4 or res.param_err > LR * 3:
+            failures.append("tolerance exceeded: " + line)
+    assert not failures, "\n".join(failures)

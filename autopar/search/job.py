@@ -121,13 +121,23 @@ class _Job:
         m = self.pipeline.microbatches
         return tuple(t.chunk(m, dim=0)[0] for t in batch)
 
-    def search(self, captured: Captured, mesh: DeviceMesh) -> Plan:
+    def fuse(self, captured: Captured) -> tuple[dict, ...]:
+        """Swap matched regions of the captured graph for fused kernels (passes/fusion)."""
+        if self.fusion == "none":
+            return ()
+        from autopar.passes.fusion import fuse_regions
+
+        return tuple(r.to_dict() for r in fuse_regions(captured, kernels=self.fusion))
+
+    def search(self, captured: Captured, mesh: DeviceMesh, fused: tuple[dict, ...] = ()) -> Plan:
         if self.pipeline is None:
-            return search_plan(captured, self.cluster, mesh, self.options)
-        stage_names = tuple(n for n in self.cluster.axis_names if n != "pp")
-        return search_pipeline(
-            captured, self.cluster, mesh[stage_names], self.options, self.pipeline
-        )
+            plan = search_plan(captured, self.cluster, mesh, self.options)
+        else:
+            stage_names = tuple(n for n in self.cluster.axis_names if n != "pp")
+            plan = search_pipeline(
+                captured, self.cluster, mesh[stage_names], self.options, self.pipeline
+            )
+        return replace(plan, fusion=fused)
 
 
 def _default_microbatches(rows: int, pp: int) -> int:

@@ -43,12 +43,14 @@ class ParityCase:
     seed: int = 0
     schedule: str | None = None  # pipelining: mesh axis "pp" first
     microbatches: int | None = None
+    fusion: str = "none"
 
     @property
     def label(self) -> str:
         strat = self.strategy if isinstance(self.strategy, str) else "x".join(self.strategy)
         label = f"{self.sample}-{'x'.join(map(str, self.mesh))}-{'x'.join(self.axis_names)}-{strat}"
-        return label + (f"-{self.schedule}" if self.schedule else "")
+        label += f"-{self.schedule}" if self.schedule else ""
+        return label + (f"-fused-{self.fusion}" if self.fusion != "none" else "")
 
 
 @dataclass
@@ -184,6 +186,7 @@ def run_case(case: ParityCase) -> ParityResult:
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
         schedule=case.schedule,
         microbatches=case.microbatches,
+        fusion=case.fusion,
     )
     res = ParityResult(
         case.label,
