@@ -605,6 +605,16 @@ def _fit(prefix: str, actions: list[str], width: int) -> str:
     return prefix + text(head, tail)
 
 
+def fusion_table(plan: Plan) -> Table:
+    """Regions the fusion pass swapped for one kernel call each."""
+    table = Table(title="fused regions (one kernel call each)")
+    for col in ("kernel", "node", "replaced nodes"):
+        table.add_column(col)
+    for region in plan.fusion:
+        table.add_row(region["kernel"], region["node"], ", ".join(region["replaced"]))
+    return table
+
+
 @app.command("inspect")
 def inspect_cmd(
     plan_file: Annotated[Path, typer.Argument(help="a plan JSON written by `autopar plan -o`")],
@@ -624,6 +634,8 @@ def inspect_cmd(
         console.print(f"[bold]timeline[/] ({plan.pipeline.schedule}: F/B/W stage.microbatch)")
         for line in timeline_lines(plan, max(console.width, 40)):
             console.print(line, markup=False, highlight=False, soft_wrap=True)
+    if plan.fusion:
+        console.print(fusion_table(plan))
     produced = _producers(plan) if has_edges(plan) else None
     if produced is None:
         console.print(
