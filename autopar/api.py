@@ -36,7 +36,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     placements: dict[str, str] | None = None,
     memory_limit: float | None = None,
     time_limit_s: float = 30.0,
-    pipeline_stages: int | None = None,
+    pipeline_stages: int | str | None = None,
     microbatches: int | None = None,
     schedule: str | None = None,
     stage_cuts: Sequence[int] | None = None,
@@ -51,6 +51,12 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     `fusion="triton"` swaps matched regions (residual add + LayerNorm/RMSNorm, SwiGLU) for
     autopar's Triton kernels; without a GPU they run only under TRITON_INTERPRET=1.
     """
+    if pipeline_stages == "auto":
+        raise ValueError(
+            "pipeline_stages='auto' searches the pipeline degree while planning: "
+            "run autopar.plan(..., pipeline_stages='auto') (or `autopar plan`) "
+            "and pass the result as plan= to compile"
+        )
     if not dist.is_initialized():
         raise RuntimeError(
             "autopar.compile needs a process group: launch with torchrun (or "
@@ -96,13 +102,29 @@ def plan(
     placements: dict[str, str] | None = None,
     memory_limit: float | None = None,
     time_limit_s: float = 30.0,
-    pipeline_stages: int | None = None,
+    pipeline_stages: int | str | None = None,
     microbatches: int | None = None,
     schedule: str | None = None,
     stage_cuts: Sequence[int] | None = None,
     fusion: str = "none",
 ) -> Plan:
-    """Search a plan without processes or weights (the model may be on the meta device)."""
+    """Search a plan without processes or weights (the model may be on the meta device).
+
+    `pipeline_stages="auto"` also searches the pipeline degree (1 or a divisor of the first
+    mesh axis) and the microbatch count (pp, 2pp or 4pp), keeping the fastest plan."""
+    if pipeline_stages == "auto":
+        return _search_pipeline_degree(
+            model,
+            example_inputs,
+            cluster=cluster,
+            loss_fn=loss_fn,
+            strategy=strategy,
+            placements=placements,
+            memory_limit=memory_limit,
+            time_limit_s=time_limit_s,
+            schedule=schedule,
+            fusion=fusion,
+        )
     job = _Job.make(
         example_inputs,
         cluster,
@@ -133,6 +155,41 @@ def plan(
     finally:
         if owns_group:
             dist.destroy_process_group()
+
+
+def _search_pipeline_degree(model, example_inputs, *, cluster: Cluster, **options) -> Plan:
+    """Alpa's outer loop over the pipeline degree and microbatch count (each candidate is
+    captured on its own microbatch shape and solved; infeasible ones are skipped)."""
+    rows = example_inputs[0].shape[0]
+    first = cluster.mesh_shape[0]
+    degrees = [1] + [p for p in (2, 4, 8, 16) if first % p == 0 and p <= first]
+    tried: dict[str, float | str] = {}
+    best: Plan | None = None
+    for pp in degrees:
+        counts = [1] if pp == 1 else [m for m in (pp, 2 * pp, 4 * pp) if rows % m == 0]
+        for m in counts:
+            key = f"pp{pp}xm{m}"
+            try:
+                found = plan(
+                    model,
+                    example_inputs,
+                    cluster=cluster,
+                    pipeline_stages=pp if pp > 1 else None,
+                    microbatches=m if pp > 1 else None,
+                    **options,
+                )
+            except ValueError as exc:  # memory, too few layers, indivisible shapes
+                tried[key] = f"infeasible: {str(exc).splitlines()[0][:120]}"
+                continue
+            tried[key] = found.predicted_step_time
+            if best is None or found.predicted_step_time < best.predicted_step_time:
+                best = found
+    if best is None:
+        raise ValueError(
+            "no pipeline degree gives a feasible plan: "
+            + "; ".join(f"{k}: {v}" for k, v in tried.items())
+        )
+    return best.with_solver(pipeline_candidates=tried)
 
 
 def check_plan_matches(plan: Plan, captured: Captured, cluster: Cluster) -> None:

@@ -87,3 +87,24 @@ def test_balanced_cuts_minimize_the_slowest_stage() -> None:
     assert balanced_cuts([1, 1, 1, 1, 4], 3) == (0, 2, 4)
     with pytest.raises(ValueError, match="need at least 5 layers"):
         balanced_cuts([1, 1, 1, 1], 5)
+
+
+def test_pipeline_degree_search_keeps_the_fastest_candidate() -> None:
+    import autopar
+    from autopar.cluster import Cluster
+    from samples import get_sample
+
+    sample = get_sample("gpt")
+    model = sample.build("tiny4", device="meta")
+    batch = sample.example_batch(model, 8, device="meta")
+    plan = autopar.plan(
+        model, batch, cluster=Cluster.preset("cpu", mesh=(4,)), pipeline_stages="auto"
+    )
+    tried = plan.solver["pipeline_candidates"]
+    times = [t for t in tried.values() if isinstance(t, float)]
+    assert "pp1xm1" in tried and len(times) >= 2
+    assert plan.predicted_step_time == min(times)
+    with pytest.raises(ValueError, match="autopar.plan"):
+        autopar.compile(
+            model, batch, cluster=Cluster.preset("cpu", mesh=(4,)), pipeline_stages="auto"
+        )
