@@ -65,22 +65,22 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         )
     if isinstance(plan, (str, Path)):
         plan = Plan.load(plan)
-    job = _Job.make(
+    job, captured, fused = _prepare(
+        model,
         example_inputs,
         cluster,
-        strategy,
-        placements,
-        memory_limit,
-        time_limit_s,
-        pipeline_stages,
-        microbatches,
-        schedule,
-        stage_cuts,
+        loss_fn,
         plan,
-        fusion,
+        strategy=strategy,
+        placements=placements,
+        memory_limit=memory_limit,
+        time_limit_s=time_limit_s,
+        pipeline_stages=pipeline_stages,
+        microbatches=microbatches,
+        schedule=schedule,
+        stage_cuts=stage_cuts,
+        fusion=fusion,
     )
-    captured = capture(model, job.capture_batch(example_inputs), loss_fn)
-    fused = job.fuse(captured)
     mesh = job.cluster.device_mesh()
     if plan is not None:
         check_plan_matches(plan, captured, job.cluster)
@@ -125,21 +125,22 @@ def plan(
             schedule=schedule,
             fusion=fusion,
         )
-    job = _Job.make(
+    job, captured, fused = _prepare(
+        model,
         example_inputs,
         cluster,
-        strategy,
-        placements,
-        memory_limit,
-        time_limit_s,
-        pipeline_stages,
-        microbatches,
-        schedule,
-        stage_cuts,
+        loss_fn,
+        None,
+        strategy=strategy,
+        placements=placements,
+        memory_limit=memory_limit,
+        time_limit_s=time_limit_s,
+        pipeline_stages=pipeline_stages,
+        microbatches=microbatches,
+        schedule=schedule,
+        stage_cuts=stage_cuts,
         fusion=fusion,
     )
-    captured = capture(model, job.capture_batch(example_inputs), loss_fn)
-    fused = job.fuse(captured)
     cluster = job.cluster
     owns_group = not dist.is_initialized()
     if owns_group:
@@ -155,6 +156,42 @@ def plan(
     finally:
         if owns_group:
             dist.destroy_process_group()
+
+
+def _prepare(
+    model,
+    example_inputs,
+    cluster: Cluster,
+    loss_fn,
+    plan: Plan | None,
+    *,
+    strategy,
+    placements,
+    memory_limit,
+    time_limit_s,
+    pipeline_stages,
+    microbatches,
+    schedule,
+    stage_cuts,
+    fusion,
+) -> tuple[_Job, Captured, tuple]:
+    """What compile and plan share: the job, the captured (maybe fused) graph."""
+    job = _Job.make(
+        example_inputs,
+        cluster,
+        strategy,
+        placements,
+        memory_limit,
+        time_limit_s,
+        pipeline_stages,
+        microbatches,
+        schedule,
+        stage_cuts,
+        plan,
+        fusion,
+    )
+    captured = capture(model, job.capture_batch(example_inputs), loss_fn)
+    return job, captured, job.fuse(captured)
 
 
 def _search_pipeline_degree(model, example_inputs, *, cluster: Cluster, **options) -> Plan:

@@ -20,6 +20,7 @@ happens only while tracing: the resulting graph holds local ATen ops and
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -66,7 +67,7 @@ class PlacedInterpreter(fx.Interpreter):
         self.replicated = tuple(Replicate() for _ in range(mesh.ndim))
 
     def run_node(self, n: fx.Node):
-        if n.op != "call_function" or n.target is _getitem:
+        if n.op != "call_function" or n.target is operator.getitem:
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         node_plan = self.node_plans.get(n.name)
@@ -109,8 +110,6 @@ class PlacedInterpreter(fx.Interpreter):
                 out = out.redistribute(self.mesh, want)
         return out
 
-
-_getitem = __import__("operator").getitem
 
 VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 

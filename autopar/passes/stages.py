@@ -91,12 +91,8 @@ def split_stages(captured: Captured, cuts: list[int]) -> list[StageGraph]:
 def _defined_up_to(captured: Captured, stage_of, s: int) -> list[str]:
     """Activation values (and user inputs) available after stage s, in graph order."""
     out = list(captured.user_inputs)
-    out += [n.name for n in captured.gm.graph.nodes if stage_of.get(n, num_inf()) <= s]
+    out += [n.name for n in captured.gm.graph.nodes if n in stage_of and stage_of[n] <= s]
     return out
-
-
-def num_inf() -> int:
-    return 1 << 30
 
 
 def _last_use(captured: Captured, stage_of, num: int) -> dict[str, int]:

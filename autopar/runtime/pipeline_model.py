@@ -89,7 +89,7 @@ class PipelineModel(TrainingSteps):
         self._sync_tied_grads()
         local = (
             torch.stack([loss.detach() for loss in losses]).mean()
-            if losses and self._is_first_replica()
+            if losses and self._stage_coord_zero()
             else torch.zeros(())
         )
         dist.all_reduce(local)
@@ -146,9 +146,6 @@ class PipelineModel(TrainingSteps):
             dist.all_reduce(total, group=self.pp_group)
             for p in held:
                 p.grad = total.clone()
-
-    def _is_first_replica(self) -> bool:
-        return self._stage_coord_zero()
 
     def _stage_coord_zero(self) -> bool:
         return all(c == 0 for c in self.mesh.get_coordinate())

@@ -16,6 +16,7 @@ memory     = parameters: local shard x (param + grad + optimizer states);
 from __future__ import annotations
 
 import math
+import operator
 from functools import lru_cache
 
 import torch
@@ -66,13 +67,13 @@ class CostContext:
     @staticmethod
     def output_spec(u: fx.Node, s: NodeStrategy, consumer: fx.Node):
         """The spec of u's output that `consumer` reads (getitem picks one of several)."""
-        if consumer.target is _getitem and len(s.outputs) > 1:
+        if consumer.target is operator.getitem and len(s.outputs) > 1:
             return s.outputs[consumer.args[1]]
         return s.outputs[0] if s.outputs else None
 
     # ---- node ------------------------------------------------------------------------------
     def node_cost(self, n: fx.Node, s: NodeStrategy) -> float:
-        if n.op != "call_function" or n.target in VIEW_OPS or n.target is _getitem:
+        if n.op != "call_function" or n.target in VIEW_OPS or n.target is operator.getitem:
             return 0.0
         flops, nbytes, dtype = self._work(n)
         split = self._split(s)
@@ -104,7 +105,7 @@ class CostContext:
             local = memory.local_numel(val.shape, s.outputs[0], self.mesh_shape)
             copies = 1 + (1 + self.optimizer_states if n.meta.get("autopar_role") == "param" else 0)
             return float(local * val.element_size() * copies)
-        if n.target in VIEW_OPS or n.target is _getitem or n.op != "call_function":
+        if n.target in VIEW_OPS or n.target is operator.getitem or n.op != "call_function":
             return 0.0
         total = 0.0
         vals = val if isinstance(val, (tuple, list)) else (val,)
@@ -119,7 +120,7 @@ class CostContext:
         if src is None or dst is None:
             return 0.0
         val = _first_tensor(u.meta.get("val"))
-        if u.target is not _getitem and isinstance(u.meta.get("val"), (tuple, list)):
+        if u.target is not operator.getitem and isinstance(u.meta.get("val"), (tuple, list)):
             val = u.meta["val"][0]
         if val is None:
             return 0.0
@@ -174,6 +175,3 @@ def _first_tensor(val):
     if isinstance(val, (tuple, list)):
         return next((v for v in val if isinstance(v, torch.Tensor)), None)
     return None
-
-
-_getitem = __import__("operator").getitem
