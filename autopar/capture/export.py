@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.fx as fx
@@ -106,7 +108,12 @@ def _first_line(exc: BaseException) -> str:
 def _user_frame(exc: BaseException) -> str:
     """The innermost frame outside torch: the model's line that failed."""
     frames = traceback.extract_tb(exc.__traceback__)
-    user = [f for f in frames if "/torch/" not in f.filename and "/autopar/" not in f.filename]
+    # library frames by package directory (a user's checkout may itself be named autopar)
+    libraries = (
+        str(Path(torch.__file__).resolve().parent) + os.sep,
+        str(Path(__file__).resolve().parents[1]) + os.sep,  # the autopar package
+    )
+    user = [f for f in frames if not str(Path(f.filename).resolve()).startswith(libraries)]
     if user:
         f = user[-1]
         return f"\n  at {f.filename}:{f.lineno}: {(f.line or '').strip()}"
