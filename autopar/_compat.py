@@ -8,8 +8,16 @@ here is re-exported through `__all__` (so linters keep it).
 from __future__ import annotations
 
 # pipeline stages: AOTAutograd splits a stage's traced program into forward and backward
-# graphs behind one autograd.Function (the schedules drive forward and backward separately).
-from torch._functorch.aot_autograd import aot_function
+# graphs behind one autograd.Function (the schedules drive forward and backward separately);
+# a compiler it calls returns a function of one boxed argument list (make_boxed_func).
+from torch._functorch.aot_autograd import aot_function, make_boxed_func
+
+# fusion="inductor" (runtime/inductor.py): importing torch._dynamo already fills
+# TORCHINDUCTOR_CACHE_DIR with torch's default (a folder in the system's temp directory);
+# its default is what tells that value apart from one the user chose.
+from torch._inductor.runtime.cache_dir_utils import (
+    default_cache_dir as default_inductor_cache_dir,
+)
 
 # strategies (autopar/passes/strategies): DTensor's sharding-strategy registry and its schema
 # types, placeholder dims in DTensor's single-mesh-dim rules, tuple (list-of-tensor)
@@ -60,12 +68,14 @@ __all__ = [
     "TensorMeta",
     "TupleStrategy",
     "aot_function",
+    "default_inductor_cache_dir",
     "dtensor_math_ops",
     "dtensor_matrix_ops",
     "dtensor_ops_utils",
     "dtensor_tensor_ops",
     "dtensor_view_ops",
     "expand_to_full_mesh_op_strategy",
+    "make_boxed_func",
     "make_fx",
     "sharding_propagator",
 ]

@@ -611,7 +611,10 @@ def fusion_table(plan: Plan) -> Table:
     for col in ("kernel", "node", "replaced nodes"):
         table.add_column(col)
     for region in plan.fusion:
-        table.add_row(region["kernel"], region["node"], ", ".join(region["replaced"]))
+        replaced = ", ".join(region["replaced"])
+        if region["kernel"] == "inductor":  # the whole program, no rewritten region
+            replaced = "every op of each rank's program (torch.compile)"
+        table.add_row(region["kernel"], region["node"], replaced)
     return table
 
 

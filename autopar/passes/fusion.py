@@ -50,7 +50,8 @@ from autopar.capture.export import Captured, graph_fingerprint
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
-KERNELS = ("triton", "none")
+KERNELS = ("triton", "inductor", "none")
+WHOLE_PROGRAM = "*"  # the node of the "inductor" region: every rank's whole step program
 _UNAVAILABLE = (
     "Triton kernels unavailable (no GPU, TRITON_INTERPRET unset): leaving the graph unfused"
 )
@@ -371,6 +372,13 @@ def _rewrite(gm: fx.GraphModule, pattern: Pattern, match: Match) -> fx.Node | No
     return fused
 
 
+def fusion_kind(regions: Sequence[dict]) -> str:
+    """The ``fusion=`` choice a plan's fusion record (``Plan.fusion``) was made with."""
+    if not regions:
+        return "none"
+    return "inductor" if any(r["kernel"] == "inductor" for r in regions) else "triton"
+
+
 def _kernels_available() -> bool:
     try:
         from autopar.kernels import available
@@ -382,15 +390,19 @@ def _kernels_available() -> bool:
 def fuse_regions(captured: Captured, kernels: str = "triton") -> list[FusedRegion]:
     """Replace every matched region of ``captured.gm`` by one fused kernel call.
 
-    ``kernels``: ``"triton"`` (autopar's Triton kernels) or ``"none"`` (no fusion).
-    Returns the regions in the order they were fused; ``captured.gm`` is recompiled and
-    ``captured.fingerprint`` recomputed when any was.
+    ``kernels``: ``"triton"`` (autopar's Triton kernels), ``"inductor"`` (the graph is left
+    as it is and the runtime hands each rank's program to torch.compile: one region of
+    kernel ``"inductor"`` over the whole program, node :data:`WHOLE_PROGRAM`, records it)
+    or ``"none"`` (no fusion). Returns the regions in the order they were fused;
+    ``captured.gm`` is recompiled and ``captured.fingerprint`` recomputed when any was.
     """
     global _warned_unavailable
     if kernels not in KERNELS:
         raise ValueError(f"kernels={kernels!r}: expected one of {KERNELS}")
     if kernels == "none":
         return []
+    if kernels == "inductor":
+        return [FusedRegion("inductor", WHOLE_PROGRAM, ())]
     if not _kernels_available():
         if not _warned_unavailable:
             _warned_unavailable = True

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.capture import Captured
 from autopar.passes.lower import LocalStep, lower_plan
 from autopar.plan import Plan, parse_spec
+from autopar.runtime.inductor import compile_program, uses_inductor
 from autopar.runtime.shards import gather_full, local_chunk
 
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
@@ -78,6 +79,11 @@ class ParallelModel(TrainingSteps):
             **{n: self._input_example(n) for n in captured.user_inputs},
         }
         self.program: LocalStep = lower_plan(captured, plan, mesh, example)
+        # what each step runs: the traced program, or with fusion="inductor" the program
+        # handed to torch.compile (compiled on the first call)
+        self.step_program: Callable = self.program.gm
+        if uses_inductor(plan.fusion):
+            self.step_program = compile_program(self.program.gm)
 
     # ---- training ------------------------------------------------------------------------
     def forward_backward(self, *batch: torch.Tensor) -> torch.Tensor:
@@ -93,7 +99,7 @@ class ParallelModel(TrainingSteps):
         ]
         params = [self.local_params[n].detach() for n in self.program.param_names]
         buffers = [self.local_buffers[n] for n in self.program.buffer_names]
-        loss, *grads = self.program.gm(*params, *buffers, *inputs)
+        loss, *grads = self.step_program(*params, *buffers, *inputs)
         for name, grad in zip(self.program.param_names, grads, strict=True):
             self.local_params[name].grad = grad
         return loss

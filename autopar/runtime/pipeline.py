@@ -26,6 +26,7 @@ from autopar.cost_models.memory import local_shape
 from autopar.passes.lower import PlacedInterpreter, _wrap
 from autopar.passes.stages import StageGraph
 from autopar.plan import Plan, parse_spec
+from autopar.runtime.inductor import aot_compiler, uses_inductor
 from autopar.runtime.shards import local_chunk
 
 SCHEDULES = {
@@ -87,9 +88,9 @@ class StageModule(nn.Module):
                 _to_local(o, spec, mesh) for o, spec in zip(outs, self._out_specs, strict=True)
             )
 
-        self._program = aot_function(
-            program, fw_compiler=_identity_compiler, bw_compiler=_identity_compiler
-        )
+        # fusion="inductor": the stage's forward and backward graphs go to torch.compile
+        compiler = aot_compiler if uses_inductor(plan.fusion) else _identity_compiler
+        self._program = aot_function(program, fw_compiler=compiler, bw_compiler=compiler)
 
     def forward(self, *inputs: torch.Tensor):
         buffers = [getattr(self, f"b{i}") for i in range(len(self.stage.buffers))]

@@ -11,12 +11,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.capture import Captured
 from autopar.cluster import Cluster
+from autopar.passes.fusion import fusion_kind
 from autopar.plan import Plan
 from autopar.search.inter_op import PipelineOptions, search_pipeline
 from autopar.search.intra_op import search_plan
 from autopar.search.pins import SearchOptions
 
-FUSION_CHOICES = ("none", "triton")
+FUSION_CHOICES = ("none", "triton", "inductor")
 
 
 def with_pipeline_axis(cluster: Cluster, stages: int | None) -> Cluster:
@@ -96,7 +97,7 @@ class _Job:
         if fusion not in FUSION_CHOICES:
             raise ValueError(f"fusion={fusion!r}: choose one of {', '.join(FUSION_CHOICES)}")
         if plan is not None:
-            fusion = "triton" if plan.fusion else "none"
+            fusion = fusion_kind(plan.fusion)
         if plan is not None and plan.pipeline is not None:
             pipeline_stages = plan.pipeline.pp
             microbatches = plan.pipeline.microbatches

@@ -65,6 +65,8 @@ class ParityResult:
     ddp_param_err: float = 0.0
     roles: dict[str, str] = field(default_factory=dict)
     param_specs: dict[str, str] = field(default_factory=dict)
+    fusion: list[str] = field(default_factory=list)  # the plan's fused kernels
+    step_program: str = ""  # type of what each step ran (ParallelModel only)
     error: str | None = None
 
 
@@ -193,6 +195,8 @@ def run_case(case: ParityCase) -> ParityResult:
         ref_losses=ref_losses,
         roles=dict(zip(pm.plan.stage_axis_names, axis_roles(pm.plan), strict=True)),
         param_specs={t.fqn: t.spec for t in pm.plan.tensors if t.kind == "param"},
+        fusion=[r["kernel"] for r in pm.plan.fusion],
+        step_program=type(getattr(pm, "step_program", None)).__name__,
     )
     specs = {t.fqn: parse_spec(t.spec) for t in pm.plan.tensors if t.kind == "param"}
     for step in range(case.steps):
