@@ -96,37 +96,40 @@ def mesh() -> Iterator[DeviceMesh]:
 
 
 def test_gpt_regions(gpt: Case) -> None:
-    # residual add + LayerNorm: ln_2 of each block, ln_1 of block 1. The first add
-    # (token + position embedding) broadcasts and the final norm's sum is not read again.
-    assert gpt.kinds() == {"add_layer_norm": 3}
+    # residual add + LayerNorm: ln_2 of each block, ln_1 of block 1 and the final norm
+    # (whose sum is read nowhere else). The first add (token + position embedding)
+    # broadcasts.
+    assert gpt.kinds() == {"add_layer_norm": 4}
     targets = collections.Counter(str(n.target) for n in gpt.fused.gm.graph.nodes)
-    assert targets["autopar.add_layer_norm.default"] == 3
-    assert targets["aten.native_layer_norm.default"] == 5 - 3
+    assert targets["autopar.add_layer_norm.default"] == 4
+    assert targets["aten.native_layer_norm.default"] == 5 - 4
     for r in gpt.regions:
         assert [n.split("_")[0] for n in r.replaced] == ["add", "native", "getitem"], r
         node = gpt.node(r)
         y, s = node.meta["val"]
         assert y.shape == s.shape == (4, 16, 32)
-    assert [gpt.fused.layer_of(gpt.node(r)) for r in gpt.regions] == ["h.0", "h.1", "h.1"]
+    assert [gpt.fused.layer_of(gpt.node(r)) for r in gpt.regions] == ["h.0", "h.1", "h.1", None]
+    # the final norm's sum has no reader: the fused node's output 1 gets no getitem
+    final = gpt.node(gpt.regions[-1])
+    assert [u.args[1] for u in final.users] == [0]
+    assert all(len(gpt.node(r).users) == 2 for r in gpt.regions[:-1])
     layers = {gpt.fused.layer_of(n) for n in gpt.fused.gm.graph.nodes} - {None}
     assert layers == {"h.0", "h.1"}
     assert gpt.fused.fingerprint != gpt.plain.fingerprint
 
 
 def test_llama_regions(llama: Case) -> None:
-    assert llama.kinds() == {"swiglu": 2, "add_rms_norm": 3}
+    assert llama.kinds() == {"swiglu": 2, "add_rms_norm": 4}  # the final norm too
     targets = collections.Counter(str(n.target) for n in llama.fused.gm.graph.nodes)
-    assert targets["aten.sigmoid.default"] == 0 and targets["aten.rsqrt.default"] == 5 - 3
+    assert targets["aten.sigmoid.default"] == 0 and targets["aten.rsqrt.default"] == 5 - 4
     rms = next(r for r in llama.regions if r.kernel == "add_rms_norm")
     ops = [n.rstrip("_0123456789") for n in rms.replaced]
     assert ops == ["add", "pow", "mean", "add", "rsqrt", "mul", "mul"]
     swiglu = next(r for r in llama.regions if r.kernel == "swiglu")
     assert [n.rstrip("_0123456789") for n in swiglu.replaced] == ["sigmoid", "mul", "mul"]
     assert llama.node(swiglu).meta["val"].shape == (4, 16, 64)
-    assert {llama.fused.layer_of(llama.node(r)) for r in llama.regions} == {
-        "layers.0",
-        "layers.1",
-    }
+    layers = [llama.fused.layer_of(llama.node(r)) for r in llama.regions]
+    assert set(layers) == {"layers.0", "layers.1", None} and layers.count(None) == 1
 
 
 def test_none_and_unavailable(
@@ -206,6 +209,9 @@ def test_plan_and_lower_fused_graph(
     for kernel, count in case.kinds().items():
         assert traced[f"autopar.{kernel}.default"] == count
         assert traced[f"autopar.{kernel}_backward.default"] == count
+    # the final norm's unread sum: its backward gets ds=None, not materialized zeros
+    norm_bwd = [n for n in step.gm.graph.nodes if str(n.target).endswith("norm_backward.default")]
+    assert [n.args[1] is None for n in norm_bwd].count(True) == 1
     assert traced["_c10d_functional.all_reduce.default"] > 0
 
 
@@ -280,7 +286,10 @@ def test_fused_models_train_like_single_device_under_tp_dp() -> None:
         for name in ("gpt", "llama")
     ]
     failures = []
-    for res in run_parity(cases, 4):
+    fused = {"gpt": {"add_layer_norm": 4}, "llama": {"add_rms_norm": 4, "swiglu": 2}}
+    for case, res in zip(cases, run_parity(cases, 4), strict=True):
+        if collections.Counter(res.fusion) != fused[case.sample]:  # final norms included
+            failures.append(f"{res.label}: fused {res.fusion}")
         line = (
             f"{res.label}: loss {res.loss_rel_err:.1e} grad {res.grad_err:.1e} "
             f"param {res.param_err:.1e}"

@@ -183,13 +183,16 @@ class AddLayerNormFunction(torch.autograd.Function):
         y, s = add_layer_norm_fwd(x, residual, weight, bias, eps)
         ctx.save_for_backward(s, weight)
         ctx.eps, ctx.has_bias = eps, bias is not None
+        ctx.set_materialize_grads(False)  # ds (or dy) is None when s (or y) is unused
         return y, s
 
     @staticmethod
     def backward(
-        ctx: torch.autograd.function.FunctionCtx, dy: Tensor, ds: Tensor
+        ctx: torch.autograd.function.FunctionCtx, dy: Tensor | None, ds: Tensor | None
     ) -> tuple[Tensor | None, ...]:
         s, weight = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(s)
         dx, dw, db = add_layer_norm_bwd(dy, ds, s, weight, ctx.eps)
         return dx, dx, dw if weight is not None else None, db if ctx.has_bias else None, None
 
@@ -235,6 +238,9 @@ def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, outp
     _, _, weight, bias, eps = inputs
     ctx.save_for_backward(output[1], weight)
     ctx.eps, ctx.has_bias = eps, bias is not None
+    # an unused output's gradient arrives as None, not as zeros: a final norm's sum is
+    # read nowhere else, and materialized zeros would be a plain tensor beside DTensors
+    ctx.set_materialize_grads(False)
 
 
 def _backward(

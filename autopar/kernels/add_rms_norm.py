@@ -167,13 +167,16 @@ class AddRMSNormFunction(torch.autograd.Function):
         y, s = add_rms_norm_fwd(x, residual, weight, eps)
         ctx.save_for_backward(s, weight)
         ctx.eps = eps
+        ctx.set_materialize_grads(False)  # ds (or dy) is None when s (or y) is unused
         return y, s
 
     @staticmethod
     def backward(
-        ctx: torch.autograd.function.FunctionCtx, dy: Tensor, ds: Tensor
+        ctx: torch.autograd.function.FunctionCtx, dy: Tensor | None, ds: Tensor | None
     ) -> tuple[Tensor | None, ...]:
         s, weight = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(s)
         dx, dw = add_rms_norm_bwd(dy, ds, s, weight, ctx.eps)
         return dx, dx, dw if weight is not None else None, None
 
@@ -212,6 +215,9 @@ def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, outp
     _, _, weight, eps = inputs
     ctx.save_for_backward(output[1], weight)
     ctx.eps = eps
+    # an unused output's gradient arrives as None, not as zeros: a final norm's sum is
+    # read nowhere else, and materialized zeros would be a plain tensor beside DTensors
+    ctx.set_materialize_grads(False)
 
 
 def _backward(

@@ -13,13 +13,14 @@ Patterns (``PATTERNS``: name, matcher, handler), tried in this order:
 
 * ``add_layer_norm``: ``getitem(native_layer_norm(add(x, r), [C], w, b, eps), 0)``, with
   ``x`` and ``r`` of the same shape and dtype (no broadcast) and only output 0 of the norm
-  used. The add must have other users (they read output ``s`` of the fused op): a norm
-  whose sum is read nowhere else (a final norm) stays unfused, see :func:`_residual_used`.
+  used. The add's other users (the next residual) read output ``s`` of the fused op; a
+  final norm's sum is read nowhere else, and its ``s`` gets no ``getitem`` (the kernels'
+  backward then receives ``ds=None``, see ``set_materialize_grads`` in the kernels).
 * ``add_rms_norm``: residual add + Llama's RMSNorm as export decomposes it,
   ``mul(type_as(s32 * rsqrt(mean(s32 ** 2, -1, keepdim) + eps)), w)`` with
   ``s32 = s.float()`` and ``s = add(x, r)`` (the casts are absent in fp32). Numerics: the
   kernel multiplies by the weight in fp32 and rounds once (one bf16 ulp from HF's order).
-  The same condition on ``s``'s other users holds.
+  Its ``s`` is handled as for LayerNorm.
 * ``swiglu``: ``mul(silu(a), b)`` where ``silu`` is ``aten.silu`` or its decomposition
   ``mul(a, sigmoid(a))``, single-use, ``a`` and ``b`` of the same shape and dtype.
 
@@ -136,18 +137,6 @@ def _row_param(node: object, n_cols: int) -> bool:
     return val is not None and tuple(val.shape) == (n_cols,)
 
 
-def _residual_used(s: fx.Node, region: Sequence[fx.Node]) -> bool:
-    """Whether the sum ``s`` is read outside the norm region (the next residual).
-
-    A norm whose sum is not read otherwise (the final norm) is left unfused: autograd
-    materializes the unused output's gradient as zeros, a plain tensor even when the
-    output is a DTensor, and DTensor rejects the backward op's mix of both. (The kernels'
-    ``setup_context`` could call ``ctx.set_materialize_grads(False)``: their backward
-    already accepts a None ``ds``.)
-    """
-    return any(u not in region for u in s.users)
-
-
 # ------------------------------------------------------------------ (a) add + LayerNorm
 
 
@@ -165,8 +154,6 @@ def match_add_layer_norm(node: fx.Node) -> Match | None:
     vs = _val(s)
     n_cols = vs.shape[-1]  # type: ignore[union-attr]
     if list(shape) != [n_cols] or not (_row_param(weight, n_cols) and _row_param(bias, n_cols)):
-        return None
-    if not _residual_used(s, [ln]):  # type: ignore[list-item]
         return None
     outs = list(ln.users)  # type: ignore[union-attr]
     if outs != [node] or _val(node) is None or _val(node).dtype != vs.dtype:  # type: ignore[union-attr]
@@ -254,8 +241,6 @@ def match_add_rms_norm(node: fx.Node) -> Match | None:
         if s32 is not s and not _only_users(s32, region):
             continue
         if len(nm.users) != 1 or (cast is not nm and len(cast.users) != 1):  # type: ignore[union-attr]
-            continue
-        if not _residual_used(s, region):  # type: ignore[arg-type]
             continue
         return Match(
             replaced=region,  # type: ignore[arg-type]
@@ -359,6 +344,8 @@ def _rewrite(gm: fx.GraphModule, pattern: Pattern, match: Match) -> fx.Node | No
     _copy_meta(fused, last, val)
     anchor = fused
     for out, index in match.outputs:
+        if all(u in region for u in out.users) and index is not None:
+            continue  # read only inside the region (a final norm's sum): no getitem
         if index is None:
             new = fused
         else:

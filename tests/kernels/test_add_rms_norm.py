@@ -92,7 +92,7 @@ def test_llama_rounding_within_one_ulp() -> None:
 
 
 def test_only_y_used() -> None:
-    """s unused downstream (autograd hands the op zeros); ds=None skips the load."""
+    """s unused downstream (autograd hands the op None); ds=None skips the load."""
     _check(OP, (3, 7, 129), torch.float32, 1e-5, 1e-5, with_ds=False)
     x, r, w = (t.detach() for t in _inputs((3, 7, 129), torch.float32))
     dy = torch.randn_like(x)
@@ -100,6 +100,41 @@ def test_only_y_used() -> None:
     with_zeros = BACKWARD(dy, torch.zeros_like(x), x + r, w, EPS)
     for a, e in zip(with_none, with_zeros, strict=True):
         torch.testing.assert_close(a, e, atol=0, rtol=0)
+
+
+def test_unused_sum_gradient_is_not_materialized() -> None:
+    """A final norm's sum is read nowhere else: its gradient reaches the backward op as
+    None (no zeros tensor, which under DTensor would be a plain tensor beside DTensors)."""
+    x, r, w = _inputs((3, 5, 17), torch.float32)[:3]
+
+    def only_y(x, r, w):
+        y, _ = OP(x, r, w, EPS)
+        return torch.autograd.grad((y.sum(),), (x, r, w))
+
+    gm = make_fx(only_y)(x, r, w)
+    (bwd,) = [n for n in gm.graph.nodes if n.target is BACKWARD.default]
+    assert bwd.args[1] is None
+    assert not any("zeros" in str(n.target) for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("apply", [OP, AddRMSNormFunction.apply])
+def test_one_output_used(apply) -> None:
+    """Either output alone: only ``y`` matches the op with both used and ``ds = 0``; only
+    ``s`` gives ``dx = dresidual = ds`` and no weight gradient."""
+    x, r, w = _inputs((3, 5, 17), torch.float32)[:3]
+    y, s = apply(x, r, w, EPS)
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad((y,), (x, r, w), (dy,))
+    y, s = OP(x, r, w, EPS)
+    want = torch.autograd.grad((y, s), (x, r, w), (dy, torch.zeros_like(s)))
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e, atol=0, rtol=0)
+    y, s = apply(x, r, w, EPS)
+    ds = torch.randn_like(s)
+    dx, dr, dw = torch.autograd.grad((s,), (x, r, w), (ds,), allow_unused=True)
+    torch.testing.assert_close(dx, ds, atol=0, rtol=0)
+    torch.testing.assert_close(dr, ds, atol=0, rtol=0)
+    assert dw is None or not dw.any()
 
 
 def test_autograd_function() -> None:
