@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement
 
 from autopar import kernels
 from autopar._compat import FakeStore, LocalTensorMode
@@ -31,6 +32,7 @@ from autopar.passes import fusion
 from autopar.passes.fusion import FusedRegion, fuse_regions
 from autopar.passes.lower import lower_plan
 from autopar.passes.strategies import node_strategies
+from autopar.passes.strategies.rules.fused import ELEMENTWISE, ROLES, ROW
 from autopar.plan import parse_spec
 from autopar.runtime.shards import local_chunk
 from autopar.search.intra_op import search_plan
@@ -98,24 +100,75 @@ def mesh() -> Iterator[DeviceMesh]:
 def test_gpt_regions(gpt: Case) -> None:
     # residual add + LayerNorm: ln_2 of each block, ln_1 of block 1 and the final norm
     # (whose sum is read nowhere else). The first add (token + position embedding)
-    # broadcasts.
-    assert gpt.kinds() == {"add_layer_norm": 4}
+    # broadcasts. bias + GELU: each block's MLP up-projection.
+    assert gpt.kinds() == {"add_layer_norm": 4, "bias_gelu": 2}
     targets = collections.Counter(str(n.target) for n in gpt.fused.gm.graph.nodes)
     assert targets["autopar.add_layer_norm.default"] == 4
     assert targets["aten.native_layer_norm.default"] == 5 - 4
-    for r in gpt.regions:
+    norms = [r for r in gpt.regions if r.kernel == "add_layer_norm"]
+    for r in norms:
         assert [n.split("_")[0] for n in r.replaced] == ["add", "native", "getitem"], r
         node = gpt.node(r)
         y, s = node.meta["val"]
         assert y.shape == s.shape == (4, 16, 32)
-    assert [gpt.fused.layer_of(gpt.node(r)) for r in gpt.regions] == ["h.0", "h.1", "h.1", None]
+    assert [gpt.fused.layer_of(gpt.node(r)) for r in norms] == ["h.0", "h.1", "h.1", None]
     # the final norm's sum has no reader: the fused node's output 1 gets no getitem
-    final = gpt.node(gpt.regions[-1])
-    assert [u.args[1] for u in final.users] == [0]
-    assert all(len(gpt.node(r).users) == 2 for r in gpt.regions[:-1])
+    assert [u.args[1] for u in gpt.node(norms[-1]).users] == [0]
+    assert all(len(gpt.node(r).users) == 2 for r in norms[:-1])
     layers = {gpt.fused.layer_of(n) for n in gpt.fused.gm.graph.nodes} - {None}
     assert layers == {"h.0", "h.1"}
     assert gpt.fused.fingerprint != gpt.plain.fingerprint
+
+
+def test_gpt_bias_gelu(gpt: Case) -> None:
+    """``gelu(view(addmm(b, x, w)))`` -> ``bias_gelu(view(mm(x, w)), b, "tanh")``."""
+    regions = [r for r in gpt.regions if r.kernel == "bias_gelu"]
+    assert [r.replaced for r in regions] == [("addmm_2", "gelu"), ("addmm_6", "gelu_1")]
+    for r, layer in zip(regions, ("h.0", "h.1"), strict=True):
+        node = gpt.node(r)
+        view, bias, approximate = node.args
+        assert approximate == "tanh" and bias.name == f"p_h_{layer[-1]}_mlp_c_fc_bias"
+        assert view.target is aten.view.default and view.args[0].target is aten.mm.default
+        assert node.meta["val"].shape == (4, 16, 128) and gpt.fused.layer_of(node) == layer
+    targets = collections.Counter(str(n.target) for n in gpt.fused.gm.graph.nodes)
+    assert targets["aten.gelu.default"] == 0 and targets["aten.addmm.default"] == 8 - 2
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, approximate: str, reuse: bool = False) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(12, 20)
+        self.act = torch.nn.GELU(approximate=approximate)
+        self.reuse = reuse  # the pre-activation read elsewhere too: no fusion
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return (self.act(h) + h if self.reuse else self.act(h)).square().mean()
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bias_gelu_pattern(approximate: str) -> None:
+    """2-D input (no view), both approximations; same loss and gradients as unfused."""
+    torch.manual_seed(0)
+    model, x = _MLP(approximate), torch.randn(6, 12)
+    fused = capture(model, (x,))
+    (region,) = fuse_regions(fused)
+    node = next(n for n in fused.gm.graph.nodes if n.name == region.node)
+    assert region.kernel == "bias_gelu" and node.args[2] == approximate
+    assert node.args[0].target is aten.mm.default
+    inputs = [
+        dict(model.named_parameters()).get(fused.params.get(ph.name), x)
+        for ph in fused.placeholders()
+    ]
+    loss = _Run(fused.gm).run(*inputs)
+    loss = loss[0] if isinstance(loss, (tuple, list)) else loss
+    torch.testing.assert_close(loss, model(x), atol=1e-6, rtol=0)
+    got = torch.autograd.grad(loss, list(model.parameters()))
+    want = torch.autograd.grad(model(x), list(model.parameters()))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=RTOL)
+    reused = capture(_MLP(approximate, reuse=True), (x,))
+    assert fuse_regions(reused) == []
 
 
 def test_llama_regions(llama: Case) -> None:
@@ -196,6 +249,8 @@ def test_plan_and_lower_fused_graph(
         assert node.op == f"autopar.{r.kernel}.default"
         assert node.outputs[0].startswith("S(0),"), node  # dp: rows sharded on axis 0
         assert not any(n in by_name for n in r.replaced)
+        if r.kernel == "bias_gelu":  # Megatron: column-parallel up-projection, bias split
+            assert node.inputs == ("S(0),S(2)", "R,S(0)") and node.outputs == ("S(0),S(2)",)
     # lowering: one fused node per region in forward and one in backward
     tensors = {t.name: t for t in plan.tensors}
     names = [p.name for p in case.fused.placeholders()]
@@ -246,19 +301,40 @@ def _check_strategy(node: fx.Node, strategy, mesh: DeviceMesh) -> None:
             distribute_tensor(c, mesh, list(o.placements)) for c, o in zip(cots, douts, strict=True)
         ]
         grads = torch.autograd.grad(douts, dts, dcots)
-        row = strategy.inputs[0]
-        for i, (g, ref, spec) in enumerate(zip(grads, ref_grads, strategy.inputs, strict=True)):
-            if i < 2:  # x, residual / a, b: the gradient is sharded like the input
+        row, last = strategy.inputs[0], full[0].dim() - 1
+        for g, ref, spec, role in zip(grads, ref_grads, strategy.inputs, _roles(node), strict=True):
+            if role == ROW:  # x, residual / a, b: the gradient is sharded like the input
                 assert tuple(g.placements) == spec, msg
-            else:  # weight / bias: a sum over rows
-                want = tuple(Partial() if isinstance(p, Shard) else Replicate() for p in row)
+            else:  # weight / bias: a sum over rows, split with the last dim
+                want = tuple(_param_grad(p, last) for p in row)
                 assert tuple(g.placements) == want, msg
             torch.testing.assert_close(g.full_tensor(), ref, atol=ATOL, rtol=RTOL)
 
 
+def _roles(node: fx.Node) -> list[str]:
+    """The role (ROW or PARAM) of each tensor argument of a fused node."""
+    arg_roles = ROLES[node.target.__name__.split(".")[0]][0]
+    return [r for r, a in zip(arg_roles, node.args, strict=False) if isinstance(a, fx.Node)]
+
+
+def _param_grad(row: Placement, last: int) -> Placement:
+    if row == Shard(last):
+        return Shard(0)
+    return Partial() if isinstance(row, Shard) else Replicate()
+
+
+def _param_spec(row: Placement, last: int) -> Placement:
+    return Shard(0) if row == Shard(last) else Replicate()
+
+
 @pytest.mark.parametrize(
     ("name", "kernel"),
-    [("gpt", "add_layer_norm"), ("llama", "add_rms_norm"), ("llama", "swiglu")],
+    [
+        ("gpt", "add_layer_norm"),
+        ("llama", "add_rms_norm"),
+        ("llama", "swiglu"),
+        ("gpt", "bias_gelu"),
+    ],
 )
 def test_fused_strategies_numerically(
     name: str, kernel: str, mesh: DeviceMesh, request: pytest.FixtureRequest
@@ -267,12 +343,15 @@ def test_fused_strategies_numerically(
     node = case.node(next(r for r in case.regions if r.kernel == kernel))
     strategies = node_strategies(node, mesh, {})
     ndim = node.args[0].meta["val"].dim()
-    dims = range(ndim) if kernel == "swiglu" else range(ndim - 1)
+    dims = range(ndim) if kernel in ELEMENTWISE else range(ndim - 1)
     per_axis = [Replicate(), *(Shard(d) for d in dims)]
     assert {s.inputs[0] for s in strategies} == {(a, b) for a in per_axis for b in per_axis}
     for s in strategies:
-        assert all(spec == s.inputs[0] for spec in (*s.inputs[:2], *s.outputs)), s
-        assert all(spec == (Replicate(),) * 2 for spec in s.inputs[2:]), s
+        row = s.inputs[0]
+        param = tuple(_param_spec(p, ndim - 1) for p in row)
+        for spec, role in zip(s.inputs, _roles(node), strict=True):
+            assert spec == (row if role == ROW else param), s
+        assert all(spec == row for spec in s.outputs), s
         _check_strategy(node, s, mesh)
 
 
@@ -286,7 +365,10 @@ def test_fused_models_train_like_single_device_under_tp_dp() -> None:
         for name in ("gpt", "llama")
     ]
     failures = []
-    fused = {"gpt": {"add_layer_norm": 4}, "llama": {"add_rms_norm": 4, "swiglu": 2}}
+    fused = {
+        "gpt": {"add_layer_norm": 4, "bias_gelu": 2},
+        "llama": {"add_rms_norm": 4, "swiglu": 2},
+    }
     for case, res in zip(cases, run_parity(cases, 4), strict=True):
         if collections.Counter(res.fusion) != fused[case.sample]:  # final norms included
             failures.append(f"{res.label}: fused {res.fusion}")

@@ -24,6 +24,12 @@ Patterns (``PATTERNS``: name, matcher, handler), tried in this order:
 * ``swiglu``: ``mul(silu(a), b)`` where ``silu`` is ``aten.silu`` or its decomposition
   ``mul(a, sigmoid(a))``, single-use, ``a`` and ``b`` of the same shape and dtype.
 
+* ``bias_gelu``: ``gelu(view(addmm(b, x, w)))`` (GPT's MLP up-projection; the view to
+  the 3-D activation optional, and keeping the last dim), ``approximate`` "none" or
+  "tanh" -> ``bias_gelu(view(mm(x, w)), b, approximate)``: the addmm is swapped for an
+  ``mm`` (:attr:`Match.swaps`) and the kernel adds the bias. Numerics: the bias
+  is added in fp32 to the rounded matmul (addmm may add it inside the GEMM), one ulp.
+
 Every new node gets ``meta["val"]`` (the op's fake implementation run on the inputs' fake
 values) and the ``nn_module_stack`` / ``stack_trace`` of the last node it replaces, so
 layer grouping (:func:`autopar.capture.layer_of`) keeps working. The captured graph's
@@ -39,7 +45,7 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -82,12 +88,16 @@ class Match:
 
     ``replaced``: every node the fused op makes dead (erased after rewiring); ``outputs``:
     (node, index) pairs, the uses of ``node`` then read output ``index`` of the fused op
-    (``None``: the op returns a single tensor); ``args``: the fused op's arguments.
+    (``None``: the op returns a single tensor); ``args``: the fused op's arguments;
+    ``swaps``: ``(node, op, args)``, a node of the region that stays but becomes another op
+    with the same output (``addmm`` -> ``mm`` when the bias moves into the kernel); ``args``
+    may name it and then read the new node.
     """
 
     replaced: list[fx.Node]
     outputs: list[tuple[fx.Node, int | None]]
     args: tuple
+    swaps: list[tuple[fx.Node, torch._ops.OpOverload, tuple]] = field(default_factory=list)
 
 
 class Pattern(NamedTuple):
@@ -286,6 +296,40 @@ def match_swiglu(node: fx.Node) -> Match | None:
     return None
 
 
+# ------------------------------------------------------------------ (d) bias + GELU
+
+_VIEWS = (aten.view.default, aten._unsafe_view.default)
+
+
+def match_bias_gelu(node: fx.Node) -> Match | None:
+    """``gelu(addmm(b, x, w))`` (a view between the two allowed) ->
+    ``bias_gelu(mm(x, w), b)``: the linear layer keeps its matmul, the kernel adds the
+    bias. The view must keep the last dim (the bias's), single-use addmm and view."""
+    if not _is(node, aten.gelu.default) or len(node.args) != 1:
+        return None
+    approximate = node.kwargs.get("approximate", "none")
+    view, mm = None, node.args[0]
+    if _is(mm, *_VIEWS) and len(mm.users) == 1:  # type: ignore[union-attr]
+        view, mm = mm, mm.args[0]  # type: ignore[union-attr]
+    if not _is(mm, aten.addmm.default) or mm.kwargs or len(mm.users) != 1:  # type: ignore[union-attr]
+        return None
+    bias, a, b = mm.args  # type: ignore[union-attr]
+    vb, vmm, vy = _val(bias), _val(mm), _val(node)
+    if approximate not in ("none", "tanh") or vb is None or vmm is None or vy is None:
+        return None
+    if vb.dim() != 1 or vmm.dim() != 2 or not vb.dtype.is_floating_point:
+        return None
+    if vb.shape[0] != vmm.shape[-1] or vy.shape[-1] != vmm.shape[-1] or vb.dtype != vy.dtype:
+        return None
+    x = view if view is not None else mm
+    return Match(
+        replaced=[node],
+        outputs=[(node, None)],
+        args=(x, bias, approximate),
+        swaps=[(mm, aten.mm.default, (a, b))],  # type: ignore[list-item]
+    )
+
+
 def _op(name: str) -> Callable[[], torch._ops.OpOverload]:
     return lambda: getattr(torch.ops.autopar, name).default
 
@@ -294,6 +338,7 @@ PATTERNS: list[Pattern] = [
     Pattern("add_layer_norm", match_add_layer_norm, _op("add_layer_norm")),
     Pattern("add_rms_norm", match_add_rms_norm, _op("add_rms_norm")),
     Pattern("swiglu", match_swiglu, _op("swiglu")),
+    Pattern("bias_gelu", match_bias_gelu, _op("bias_gelu")),
 ]
 
 
@@ -338,9 +383,11 @@ def _rewrite(gm: fx.GraphModule, pattern: Pattern, match: Match) -> fx.Node | No
             return None
     op = pattern.handler()
     last = max(match.replaced, key=order.__getitem__)
-    val = _fake_val(op, match.args)
-    with graph.inserting_after(point):
-        fused = graph.create_node("call_function", op, match.args, name=pattern.name)
+    swapped = _swap(graph, match.swaps)
+    args = fx.node.map_arg(match.args, lambda n: swapped.get(n, n))
+    val = _fake_val(op, args)
+    with graph.inserting_after(swapped.get(point, point)):
+        fused = graph.create_node("call_function", op, args, name=pattern.name)
     _copy_meta(fused, last, val)
     anchor = fused
     for out, index in match.outputs:
@@ -357,6 +404,20 @@ def _rewrite(gm: fx.GraphModule, pattern: Pattern, match: Match) -> fx.Node | No
     for node in sorted(match.replaced, key=order.__getitem__, reverse=True):
         graph.erase_node(node)
     return fused
+
+
+def _swap(graph: fx.Graph, swaps: Sequence[tuple]) -> dict[fx.Node, fx.Node]:
+    """Replace each ``(node, op, args)`` by a new ``op(*args)`` node right after it (same
+    output, hence the same metadata); returns old -> new."""
+    out = {}
+    for old, op, args in swaps:
+        with graph.inserting_after(old):
+            new = graph.create_node("call_function", op, args, name=op.overloadpacket.__name__)
+        _copy_meta(new, old, old.meta["val"])
+        old.replace_all_uses_with(new)
+        graph.erase_node(old)
+        out[old] = new
+    return out
 
 
 def fusion_kind(regions: Sequence[dict]) -> str:
@@ -409,11 +470,12 @@ def fuse_regions(captured: Captured, kernels: str = "triton") -> list[FusedRegio
             if match is None:
                 continue
             order = {n: i for i, n in enumerate(gm.graph.nodes)}
-            names = tuple(n.name for n in sorted(match.replaced, key=order.__getitem__))
+            gone = [*match.replaced, *(swap[0] for swap in match.swaps)]
+            names = tuple(n.name for n in sorted(gone, key=order.__getitem__))
             new = _rewrite(gm, pattern, match)
             if new is None:
                 continue
-            dead.update(match.replaced)
+            dead.update(gone)
             regions.append(FusedRegion(pattern.name, new.name, names))
     if regions:
         gm.graph.lint()

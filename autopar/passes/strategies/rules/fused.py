@@ -16,6 +16,16 @@ rows, hence ``Partial`` when the rows are sharded (``Replicate`` otherwise).
 ``swiglu(a, b) -> y`` is elementwise: ``Shard(d)`` on any dim, the same on ``a``, ``b`` and
 ``y`` (and on ``dy``, ``da``, ``db`` for ``swiglu_backward``), or all Replicate.
 
+``bias_gelu(x, bias, approximate) -> y`` is elementwise with a per-column ``bias`` (shape
+``(N,)``, N the last dim): ``Shard(d)`` on any dim of ``x`` and ``y``; the bias is
+``Shard(0)`` when the last dim is split (a column-parallel linear layer's bias) and
+Replicate otherwise. ``bias_gelu_backward(dy, x, bias) -> (dx, dbias)``: ``dx`` like ``x``;
+``dbias``, a sum over rows, is ``Partial`` when rows are split and ``Shard(0)`` when the
+last dim is.
+
+In general a "param" is a per-column vector: Replicate, or ``Shard(0)`` with the last dim;
+its gradient is ``Partial`` over split rows and ``Shard(0)`` with the last dim.
+
 The custom ops exist only once :mod:`autopar.kernels` (hence triton) is imported, which the
 strategy stage must not force on every ``import autopar`` (triton must see
 ``TRITON_INTERPRET`` before its first import). So :func:`register` adds the rules and the
@@ -54,8 +64,11 @@ ROLES: dict[str, tuple[tuple[str | None, ...], tuple[str, ...]]] = {
     "add_layer_norm_backward": ((ROW, ROW, ROW, PARAM, None), (ROW, GRAD, GRAD)),
     "add_rms_norm_backward": ((ROW, ROW, ROW, PARAM, None), (ROW, GRAD)),
     "swiglu_backward": ((ROW, ROW, ROW), (ROW, ROW)),
+    "bias_gelu": ((ROW, PARAM, None), (ROW,)),
+    "bias_gelu_backward": ((ROW, ROW, PARAM, None), (ROW, GRAD)),
 }
-ELEMENTWISE = ("swiglu", "swiglu_backward")  # every dim may be split, the last one too
+# every dim may be split, the last one too
+ELEMENTWISE = ("swiglu", "swiglu_backward", "bias_gelu", "bias_gelu_backward")
 
 
 def split_dims(name: str, ndim: int) -> range:
@@ -73,8 +86,11 @@ def axis_rules(name: str, ndim: int, present: list[bool]) -> list[list[Placement
     rules: list[list[Placement]] = [[Replicate()] * (len(out_roles) + len(roles))]
     for d in split_dims(name, ndim):
         row: Placement = Shard(d)
-        outs = [row if r == ROW else Partial() for r in out_roles]
-        rules.append(outs + [row if r == ROW else Replicate() for r in roles])
+        column = d == ndim - 1  # per-column params and their gradients split with it
+        param: Placement = Shard(0) if column else Replicate()
+        grad: Placement = Shard(0) if column else Partial()
+        outs = [row if r == ROW else grad for r in out_roles]
+        rules.append(outs + [row if r == ROW else param for r in roles])
     return rules
 
 
@@ -82,7 +98,8 @@ def axis_rules(name: str, ndim: int, present: list[bool]) -> list[list[Placement
 
 
 def fused_rule(node: fx.Node, mesh: DeviceMesh) -> list[NodeStrategy]:
-    """Strategies of a fused forward node (row-wise norms, elementwise SwiGLU)."""
+    """Strategies of a fused forward node (row-wise norms, elementwise SwiGLU and
+    bias + GELU)."""
     name = node.target.__name__.split(".")[0]  # type: ignore[union-attr]
     present = [isinstance(a, fx.Node) for a in node.args]
     ndim = node.args[0].meta["val"].dim()  # type: ignore[union-attr]
@@ -115,7 +132,7 @@ def _ops() -> dict[str, torch._ops.OpOverload]:
     return {name: getattr(torch.ops.autopar, name).default for name in ROLES}
 
 
-FORWARD = ("add_layer_norm", "add_rms_norm", "swiglu")
+FORWARD = ("add_layer_norm", "add_rms_norm", "swiglu", "bias_gelu")
 
 
 def register() -> None:
