@@ -49,7 +49,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     `schedule` (gpipe, 1f1b, interleaved1f1b, interleavedzb, zbv, dualpipev) and
     `stage_cuts` (first layer of each stage) pin what the search would choose.
     `fusion="triton"` swaps matched regions (residual add + LayerNorm/RMSNorm, SwiGLU,
-    bias + GELU) for autopar's Triton kernels; without a GPU they run only under
+    bias + GELU, head matmul + cross-entropy) for autopar's Triton kernels; without a GPU they run only under
     TRITON_INTERPRET=1.
     `fusion="inductor"` hands each rank's step program (each stage's, when pipelined) to
     torch.compile instead (C++ on CPU, Triton on GPU; compiled on the first step).

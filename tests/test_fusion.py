@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
@@ -101,7 +102,7 @@ def test_gpt_regions(gpt: Case) -> None:
     # residual add + LayerNorm: ln_2 of each block, ln_1 of block 1 and the final norm
     # (whose sum is read nowhere else). The first add (token + position embedding)
     # broadcasts. bias + GELU: each block's MLP up-projection.
-    assert gpt.kinds() == {"add_layer_norm": 4, "bias_gelu": 2}
+    assert gpt.kinds() == {"add_layer_norm": 4, "bias_gelu": 2, "linear_cross_entropy": 1}
     targets = collections.Counter(str(n.target) for n in gpt.fused.gm.graph.nodes)
     assert targets["autopar.add_layer_norm.default"] == 4
     assert targets["aten.native_layer_norm.default"] == 5 - 4
@@ -171,8 +172,51 @@ def test_bias_gelu_pattern(approximate: str) -> None:
     assert fuse_regions(reused) == []
 
 
+class _Head(torch.nn.Module):
+    def __init__(self, reduction: str = "mean") -> None:
+        super().__init__()
+        self.proj, self.head = torch.nn.Linear(12, 12), torch.nn.Linear(12, 37, bias=False)
+        self.reduction = reduction
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        logits = self.head(torch.tanh(self.proj(x)))
+        return F.cross_entropy(logits.view(-1, 37), t.view(-1), reduction=self.reduction)
+
+
+def test_linear_cross_entropy_pattern() -> None:
+    """Head matmul + log_softmax + nll_loss (mean, ignored rows) -> the kernel's sum divided
+    by the count of counted rows: same loss and gradients; "sum" reduction is left alone."""
+    torch.manual_seed(0)
+    model, x = _Head(), torch.randn(3, 5, 12)
+    t = torch.randint(0, 37, (3, 5))
+    t[0, :3] = -100
+    fused = capture(model, (x, t))
+    (region,) = fuse_regions(fused)
+    assert region.kernel == "linear_cross_entropy"
+    assert [n.rstrip("_0123456789") for n in region.replaced][:2] == ["permute", "mm"]
+    targets = [str(n.target) for n in fused.gm.graph.nodes if n.op == "call_function"]
+    assert targets[-4:] == [
+        "<built-in function getitem>",
+        *(f"aten.{o}" for o in ("ne.Scalar", "sum.default", "div.Tensor")),
+    ]
+    state, user = dict(model.named_parameters()), dict(zip(fused.user_inputs, (x, t), strict=True))
+    inputs = [
+        state[fused.params[ph.name]] if ph.name in fused.params else user[ph.name]
+        for ph in fused.placeholders()
+    ]
+    loss = _Run(fused.gm).run(*inputs)
+    loss = loss[0] if isinstance(loss, (tuple, list)) else loss
+    torch.testing.assert_close(loss, model(x, t), atol=1e-6, rtol=0)
+    got = torch.autograd.grad(loss, list(model.parameters()))
+    want = torch.autograd.grad(model(x, t), list(model.parameters()))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=RTOL)
+    assert fuse_regions(capture(_Head("sum"), (x, t))) == []
+
+
 def test_llama_regions(llama: Case) -> None:
-    assert llama.kinds() == {"swiglu": 2, "add_rms_norm": 4}  # the final norm too
+    # the final norm too; the head and the loss
+    assert llama.kinds() == {"swiglu": 2, "add_rms_norm": 4, "linear_cross_entropy": 1}
     targets = collections.Counter(str(n.target) for n in llama.fused.gm.graph.nodes)
     assert targets["aten.sigmoid.default"] == 0 and targets["aten.rsqrt.default"] == 5 - 4
     rms = next(r for r in llama.regions if r.kernel == "add_rms_norm")
@@ -182,7 +226,7 @@ def test_llama_regions(llama: Case) -> None:
     assert [n.rstrip("_0123456789") for n in swiglu.replaced] == ["sigmoid", "mul", "mul"]
     assert llama.node(swiglu).meta["val"].shape == (4, 16, 64)
     layers = [llama.fused.layer_of(llama.node(r)) for r in llama.regions]
-    assert set(layers) == {"layers.0", "layers.1", None} and layers.count(None) == 1
+    assert set(layers) == {"layers.0", "layers.1", None} and layers.count(None) == 2
 
 
 def test_none_and_unavailable(
@@ -247,8 +291,14 @@ def test_plan_and_lower_fused_graph(
     for r in case.regions:
         node = by_name[r.node]
         assert node.op == f"autopar.{r.kernel}.default"
-        assert node.outputs[0].startswith("S(0),"), node  # dp: rows sharded on axis 0
         assert not any(n in by_name for n in r.replaced)
+        if r.kernel == "linear_cross_entropy":  # rows on dp, hidden and weight R on tp
+            assert node.inputs == ("S(0),R", "R,R", "S(0),R") and node.outputs[:2] == (
+                "P,R",  # the summed loss; divided by the global count of counted rows
+                "S(0),R",
+            )
+            continue
+        assert node.outputs[0].startswith("S(0),"), node  # dp: rows sharded on axis 0
         if r.kernel == "bias_gelu":  # Megatron: column-parallel up-projection, bias split
             assert node.inputs == ("S(0),S(2)", "R,S(0)") and node.outputs == ("S(0),S(2)",)
     # lowering: one fused node per region in forward and one in backward
@@ -263,7 +313,9 @@ def test_plan_and_lower_fused_graph(
     traced = collections.Counter(str(n.target) for n in step.gm.graph.nodes)
     for kernel, count in case.kinds().items():
         assert traced[f"autopar.{kernel}.default"] == count
-        assert traced[f"autopar.{kernel}_backward.default"] == count
+        # linear + cross-entropy computes its gradients in forward: no backward op
+        backward = 0 if kernel == "linear_cross_entropy" else count
+        assert traced[f"autopar.{kernel}_backward.default"] == backward
     # the final norm's unread sum: its backward gets ds=None, not materialized zeros
     norm_bwd = [n for n in step.gm.graph.nodes if str(n.target).endswith("norm_backward.default")]
     assert [n.args[1] is None for n in norm_bwd].count(True) == 1
@@ -365,9 +417,10 @@ def test_fused_models_train_like_single_device_under_tp_dp() -> None:
         for name in ("gpt", "llama")
     ]
     failures = []
+    head = {"linear_cross_entropy": 1}  # rows on dp, hidden and weight gathered on tp
     fused = {
-        "gpt": {"add_layer_norm": 4, "bias_gelu": 2},
-        "llama": {"add_rms_norm": 4, "swiglu": 2},
+        "gpt": {"add_layer_norm": 4, "bias_gelu": 2, **head},
+        "llama": {"add_rms_norm": 4, "swiglu": 2, **head},
     }
     for case, res in zip(cases, run_parity(cases, 4), strict=True):
         if collections.Counter(res.fusion) != fused[case.sample]:  # final norms included

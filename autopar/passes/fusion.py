@@ -30,6 +30,12 @@ Patterns (``PATTERNS``: name, matcher, handler), tried in this order:
   ``mm`` (:attr:`Match.swaps`) and the kernel adds the bias. Numerics: the bias
   is added in fp32 to the rounded matmul (addmm may add it inside the GEMM), one ulp.
 
+* ``linear_cross_entropy``: the head and the loss, ``getitem(nll_loss_forward(
+  _log_softmax(views(mm(x, permute(W, [1, 0]))), 1), t, None, mean, ii), 0)`` ->
+  ``getitem(linear_cross_entropy(x, W, None, t, ii, 0.0, "sum"), 0) / sum(t != ii)`` (an
+  epilogue, :attr:`Match.epilogue`): the kernel's sum is exact under any row sharding and
+  the mean's divisor is the global count, so dp needs no assumption on ignored rows.
+
 Every new node gets ``meta["val"]`` (the op's fake implementation run on the inputs' fake
 values) and the ``nn_module_stack`` / ``stack_trace`` of the last node it replaces, so
 layer grouping (:func:`autopar.capture.layer_of`) keeps working. The captured graph's
@@ -91,13 +97,15 @@ class Match:
     (``None``: the op returns a single tensor); ``args``: the fused op's arguments;
     ``swaps``: ``(node, op, args)``, a node of the region that stays but becomes another op
     with the same output (``addmm`` -> ``mm`` when the bias moves into the kernel); ``args``
-    may name it and then read the new node.
+    may name it and then read the new node; ``epilogue(graph, out)``: builds nodes after the
+    fused op's (single) output ``out`` and returns the one the region's users then read.
     """
 
     replaced: list[fx.Node]
     outputs: list[tuple[fx.Node, int | None]]
     args: tuple
     swaps: list[tuple[fx.Node, torch._ops.OpOverload, tuple]] = field(default_factory=list)
+    epilogue: Callable[[fx.Graph, fx.Node], fx.Node] | None = None
 
 
 class Pattern(NamedTuple):
@@ -330,6 +338,73 @@ def match_bias_gelu(node: fx.Node) -> Match | None:
     )
 
 
+# ------------------------------------------------------------------ (e) linear + cross-entropy
+
+
+def _logits_mm(logits: object) -> tuple[fx.Node, list[fx.Node]] | None:
+    """``(mm, views)`` if ``logits`` is single-use views of ``mm(x, permute(W, [1, 0]))``
+    keeping its 2-D shape (``views``: from the logits back to the mm)."""
+    views, z = [], logits
+    while _is(z, *_VIEWS) and len(z.users) == 1:  # type: ignore[union-attr]
+        views.append(z)
+        z = z.args[0]  # type: ignore[union-attr]
+    if not _is(z, aten.mm.default) or len(z.users) != 1 or _val(z) is None:  # type: ignore[union-attr]
+        return None
+    if _val(z).shape != _val(logits).shape:  # type: ignore[union-attr]
+        return None
+    wt = z.args[1]  # type: ignore[union-attr]
+    if not _is(wt, aten.permute.default) or list(wt.args[1]) != [1, 0] or len(wt.users) != 1:  # type: ignore[union-attr]
+        return None
+    return z, views  # type: ignore[return-value]
+
+
+def match_linear_cross_entropy(node: fx.Node) -> Match | None:
+    """``getitem(nll_loss_forward(_log_softmax(views(mm(x, W^T)), 1), t, None, mean, ii), 0)``
+    -> ``getitem(linear_cross_entropy(x, W, None, t, ii, 0, "sum"), 0) / sum(t != ii)``.
+
+    The kernel sums (its gradients are per-row, unscaled) and the mean's division stays a
+    graph op: when rows are sharded the kernel's sum is a ``Partial`` and the divisor the
+    global count of counted rows, so value and gradients are exact for any sharding."""
+    if node.target is not operator.getitem or node.args[1] != 0:
+        return None
+    nll = node.args[0]
+    if not _is(nll, aten.nll_loss_forward.default) or list(nll.users) != [node]:  # type: ignore[union-attr]
+        return None
+    logp, target, weight, reduction, ignore_index = nll.args  # type: ignore[union-attr]
+    if weight is not None or reduction != 1 or not _is(logp, aten._log_softmax.default):
+        return None
+    logits, dim, half_to_float = logp.args  # type: ignore[union-attr]
+    vz, vt = _val(logits), _val(target)
+    if vz is None or vt is None or vz.dim() != 2 or dim not in (1, -1) or half_to_float:
+        return None
+    found = _logits_mm(logits)
+    if found is None or len(logp.users) != 1 or vt.shape != vz.shape[:1]:  # type: ignore[union-attr]
+        return None
+    mm, views = found
+    x, wt = mm.args
+    if _val(x) is None or _val(x).dtype != vz.dtype:  # type: ignore[union-attr]
+        return None
+
+    def mean(graph: fx.Graph, total: fx.Node) -> fx.Node:
+        counted = _emit(graph, aten.ne.Scalar, (target, ignore_index), node)
+        count = _emit(graph, aten.sum.default, (counted,), node)
+        return _emit(graph, aten.div.Tensor, (total, count), node)
+
+    return Match(
+        replaced=[wt, mm, *reversed(views), logp, nll, node],  # type: ignore[list-item]
+        outputs=[(node, 0)],
+        args=(x, wt.args[0], None, target, ignore_index, 0.0, "sum", True, 0),  # type: ignore[union-attr]
+        epilogue=mean,
+    )
+
+
+def _emit(graph: fx.Graph, op: torch._ops.OpOverload, args: tuple, like: fx.Node) -> fx.Node:
+    """A new ``op(*args)`` node with its fake value and ``like``'s layer metadata."""
+    new = graph.create_node("call_function", op, args, name=op.overloadpacket.__name__)
+    _copy_meta(new, like, _fake_val(op, args))
+    return new
+
+
 def _op(name: str) -> Callable[[], torch._ops.OpOverload]:
     return lambda: getattr(torch.ops.autopar, name).default
 
@@ -339,6 +414,7 @@ PATTERNS: list[Pattern] = [
     Pattern("add_rms_norm", match_add_rms_norm, _op("add_rms_norm")),
     Pattern("swiglu", match_swiglu, _op("swiglu")),
     Pattern("bias_gelu", match_bias_gelu, _op("bias_gelu")),
+    Pattern("linear_cross_entropy", match_linear_cross_entropy, _op("linear_cross_entropy")),
 ]
 
 
@@ -400,6 +476,9 @@ def _rewrite(gm: fx.GraphModule, pattern: Pattern, match: Match) -> fx.Node | No
                 new = graph.call_function(operator.getitem, (fused, index))
             _copy_meta(new, last, val[index])  # type: ignore[index]
             anchor = new
+        if match.epilogue is not None:
+            with graph.inserting_before(anchor.next):
+                new = match.epilogue(graph, new)
         out.replace_all_uses_with(new)
     for node in sorted(match.replaced, key=order.__getitem__, reverse=True):
         graph.erase_node(node)

@@ -23,6 +23,13 @@ Replicate otherwise. ``bias_gelu_backward(dy, x, bias) -> (dx, dbias)``: ``dx`` 
 ``dbias``, a sum over rows, is ``Partial`` when rows are split and ``Shard(0)`` when the
 last dim is.
 
+``linear_cross_entropy(x, weight, bias, target, ..., "sum") -> (loss, gx, gw, gb)``: rows
+of ``x`` (and ``target``) split on ``Shard(0)`` with ``weight`` and ``bias`` Replicate: the
+summed loss and the weight/bias gradients (computed in the forward) are then ``Partial``,
+``gx`` is ``Shard(0)``; or all Replicate. A vocabulary-split weight would need the
+log-sum-exp reduced across ranks inside the kernel: not offered (a tp axis gathers the
+weight, or splits rows too).
+
 In general a "param" is a per-column vector: Replicate, or ``Shard(0)`` with the last dim;
 its gradient is ``Partial`` over split rows and ``Shard(0)`` with the last dim.
 
@@ -66,6 +73,9 @@ ROLES: dict[str, tuple[tuple[str | None, ...], tuple[str, ...]]] = {
     "swiglu_backward": ((ROW, ROW, ROW), (ROW, ROW)),
     "bias_gelu": ((ROW, PARAM, None), (ROW,)),
     "bias_gelu_backward": ((ROW, ROW, PARAM, None), (ROW, GRAD)),
+    # (x, weight, bias, target, ...) -> (loss, grad_x, grad_weight, grad_bias); its
+    # backward is a product with the loss's gradient, which DTensor shards itself
+    "linear_cross_entropy": ((ROW, PARAM, PARAM, ROW, *[None] * 5), (GRAD, ROW, GRAD, GRAD)),
 }
 # every dim may be split, the last one too
 ELEMENTWISE = ("swiglu", "swiglu_backward", "bias_gelu", "bias_gelu_backward")
@@ -132,7 +142,7 @@ def _ops() -> dict[str, torch._ops.OpOverload]:
     return {name: getattr(torch.ops.autopar, name).default for name in ROLES}
 
 
-FORWARD = ("add_layer_norm", "add_rms_norm", "swiglu", "bias_gelu")
+FORWARD = ("add_layer_norm", "add_rms_norm", "swiglu", "bias_gelu", "linear_cross_entropy")
 
 
 def register() -> None:
