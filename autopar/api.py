@@ -8,7 +8,9 @@ model that may live on the meta device.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,6 +24,8 @@ from autopar.plan import Plan
 from autopar.runtime.parallel_model import OptimizerFactory, ParallelModel
 from autopar.runtime.pipeline_model import PipelineModel
 from autopar.search.job import _Job
+from autopar.search.layouts import search_layout
+from autopar.search.pins import SearchOptions
 
 
 def compile(  # noqa: A001 - the public name mirrors torch.compile
@@ -110,13 +114,19 @@ def plan(
     schedule: str | None = None,
     stage_cuts: Sequence[int] | None = None,
     fusion: str = "none",
+    shard_optimizer: bool = False,
 ) -> Plan:
     """Search a plan without processes or weights (the model may be on the meta device).
 
-    `pipeline_stages="auto"` also searches the pipeline degree (1 or a divisor of the first
-    mesh axis) and the microbatch count (pp, 2pp or 4pp), keeping the fastest plan."""
+    `shard_optimizer=True` prices ZeRO-1 (fp32 master and optimizer state split over the
+    devices holding the same shard, as Megatron's distributed optimizer): for planning and
+    benchmarks only, `compile` does not run such plans yet.
+
+    `pipeline_stages="auto"` also searches how the devices are laid out: the pipeline
+    degree, every stage's (dp, tp) mesh, the microbatch count and the schedule
+    (`autopar.search.layouts`); `microbatches=` and `schedule=` pin those."""
     if pipeline_stages == "auto":
-        return _search_pipeline_degree(
+        return _plan_layout(
             model,
             example_inputs,
             cluster=cluster,
@@ -125,8 +135,10 @@ def plan(
             placements=placements,
             memory_limit=memory_limit,
             time_limit_s=time_limit_s,
+            microbatches=microbatches,
             schedule=schedule,
             fusion=fusion,
+            shard_optimizer=shard_optimizer,
         )
     job, captured, fused = _prepare(
         model,
@@ -144,18 +156,27 @@ def plan(
         stage_cuts=stage_cuts,
         fusion=fusion,
     )
+    if shard_optimizer:
+        job = replace(job, options=replace(job.options, shard_optimizer=True))
     cluster = job.cluster
+    with _fake_group(cluster.world_size):
+        return job.search(captured, cluster.device_mesh(device_type="cpu"), fused)
+
+
+@contextmanager
+def _fake_group(world: int) -> Iterator[None]:
+    """Planning needs a process group of the cluster's size: a fake one, unless one runs."""
     owns_group = not dist.is_initialized()
     if owns_group:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cluster.world_size)
-    elif dist.get_world_size() != cluster.world_size:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    elif dist.get_world_size() != world:
         raise ValueError(
-            f"the cluster has {cluster.world_size} devices but the running process "
+            f"the cluster has {world} devices but the running process "
             f"group has {dist.get_world_size()}; plan outside the job, or use a "
             "cluster of the job's size"
         )
     try:
-        return job.search(captured, cluster.device_mesh(device_type="cpu"), fused)
+        yield
     finally:
         if owns_group:
             dist.destroy_process_group()
@@ -197,43 +218,55 @@ def _prepare(
     return job, captured, job.fuse(captured)
 
 
-def _search_pipeline_degree(model, example_inputs, *, cluster: Cluster, **options) -> Plan:
-    """Alpa's outer loop over the pipeline degree and microbatch count (each candidate is
-    captured on its own microbatch shape and solved; infeasible ones are skipped)."""
-    rows = example_inputs[0].shape[0]
-    first = cluster.mesh_shape[0]
-    degrees = [1] + [p for p in (2, 4, 8, 16) if first % p == 0 and p <= first]
-    tried: dict[str, float | str] = {}
-    best: Plan | None = None
-    for pp in degrees:
-        counts = [1] if pp == 1 else [m for m in (pp, 2 * pp, 4 * pp) if rows % m == 0]
-        for m in counts:
-            key = f"pp{pp}xm{m}"
-            try:
-                found = plan(
-                    model,
-                    example_inputs,
-                    cluster=cluster,
-                    pipeline_stages=pp if pp > 1 else None,
-                    microbatches=m if pp > 1 else None,
-                    **options,
-                )
-            except ValueError as exc:  # memory, too few layers, indivisible shapes
-                tried[key] = f"infeasible: {str(exc).splitlines()[0][:120]}"
-                continue
-            tried[key] = found.predicted_step_time
-            if best is None or found.predicted_step_time < best.predicted_step_time:
-                best = found
-    if best is None:
+def _plan_layout(
+    model, example_inputs, *, cluster: Cluster, microbatches, schedule, **options
+) -> Plan:
+    """Search the layout on layer templates, then plan the whole model on the winner."""
+    strategy = options["strategy"]
+    if not isinstance(strategy, str):
         raise ValueError(
-            "no pipeline degree gives a feasible plan: "
-            + "; ".join(f"{k}: {v}" for k, v in tried.items())
+            f"strategy={strategy!r} names a role per mesh axis, but pipeline_stages='auto' "
+            "chooses the mesh; give one role (e.g. 'auto'), or a cluster with the mesh you want"
         )
-    return best.with_solver(pipeline_candidates=tried)
+    search_options = SearchOptions(
+        strategy=strategy,
+        placements=dict(options["placements"] or {}),
+        memory_limit=options["memory_limit"],
+        time_limit_s=options["time_limit_s"],
+        shard_optimizer=options["shard_optimizer"],
+    )
+    with _fake_group(cluster.world_size):
+        found = search_layout(
+            model,
+            example_inputs,
+            cluster,
+            search_options,
+            options["loss_fn"],
+            microbatches=microbatches,
+            schedule=schedule,
+        )
+    best = found.best
+    final = plan(
+        model,
+        example_inputs,
+        cluster=best.cluster(cluster),
+        pipeline_stages=best.pp if best.pp > 1 else None,
+        microbatches=best.microbatches if best.pp > 1 else None,
+        schedule=best.schedule,
+        **options,
+    )
+    return final.with_solver(
+        layout=best.key, layout_candidates=found.tried, layout_search_s=found.search_time_s
+    )
 
 
 def check_plan_matches(plan: Plan, captured: Captured, cluster: Cluster) -> None:
     """A saved plan applies only to the graph and the mesh it was made for."""
+    if plan.solver.get("shard_optimizer"):
+        raise ValueError(
+            "this plan was made with shard_optimizer=True (ZeRO-1 priced for planning), "
+            "which the runtime does not run yet; re-plan without shard_optimizer to train"
+        )
     if plan.graph_fingerprint != captured.fingerprint:
         raise ValueError(
             f"this plan was made for another model or batch shape (graph fingerprint "

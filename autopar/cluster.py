@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Cluster", "DeviceSpec", "Link", "PRESETS"]
+__all__ = ["Cluster", "DeviceSpec", "Fabric", "Link", "PRESETS"]
 
 _DTYPE_KEYS = ("float32", "bfloat16", "float16")
 _GiB = 2**30
@@ -139,6 +139,42 @@ class Link:
 
 
 @dataclass(frozen=True, slots=True)
+class Fabric:
+    """The network a mesh's per-axis links are derived from (see the module docstring)."""
+
+    intra: Link  # inside a node (per device)
+    nic_bandwidth_per_node: float  # bytes/s, all NICs of a node together
+    inter_latency: float
+
+    def axis_links(self, mesh: Sequence[int], devices_per_node: int) -> tuple[Link, ...]:
+        links = []
+        for i in range(len(mesh)):
+            if math.prod(mesh[i:]) <= devices_per_node:
+                links.append(self.intra)
+                continue
+            concurrent = min(devices_per_node, math.prod(mesh[i + 1 :]))
+            bandwidth = min(self.intra.bandwidth, self.nic_bandwidth_per_node / concurrent)
+            links.append(Link(bandwidth, max(self.inter_latency, self.intra.latency)))
+        return tuple(links)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "intra": {"bandwidth": self.intra.bandwidth, "latency": self.intra.latency},
+            "nic_bandwidth_per_node": self.nic_bandwidth_per_node,
+            "inter_latency": self.inter_latency,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Fabric:
+        intra = data["intra"]
+        return cls(
+            Link(intra["bandwidth"], intra["latency"]),
+            float(data["nic_bandwidth_per_node"]),
+            float(data["inter_latency"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class _Preset:
     device: DeviceSpec
     intra: Link  # inside a node (per device)
@@ -147,6 +183,10 @@ class _Preset:
     devices_per_node: int | None  # None: as many as the mesh asks for (cpu)
     backend: str
     device_label: str  # name of the per-node axis in default meshes
+
+    @property
+    def fabric(self) -> Fabric:
+        return Fabric(self.intra, self.nic_bandwidth_per_node, self.inter_latency)
 
 
 PRESETS: dict[str, _Preset] = {
@@ -174,18 +214,6 @@ PRESETS: dict[str, _Preset] = {
 }  # fmt: skip
 
 
-def _axis_links(mesh: Sequence[int], devices_per_node: int, preset: _Preset) -> tuple[Link, ...]:
-    links = []
-    for i in range(len(mesh)):
-        if math.prod(mesh[i:]) <= devices_per_node:
-            links.append(preset.intra)
-            continue
-        concurrent = min(devices_per_node, math.prod(mesh[i + 1 :]))
-        bandwidth = min(preset.intra.bandwidth, preset.nic_bandwidth_per_node / concurrent)
-        links.append(Link(bandwidth, max(preset.inter_latency, preset.intra.latency)))
-    return tuple(links)
-
-
 @dataclass(frozen=True, slots=True)
 class Cluster:
     """``device`` x ``mesh_shape`` (named by ``axis_names``), one ``Link`` per mesh axis."""
@@ -196,6 +224,7 @@ class Cluster:
     links: tuple[Link, ...]
     backend: str = "nccl"
     devices_per_node: int = 8
+    fabric: Fabric | None = None  # presets know it; lets the search re-mesh the devices
 
     def __post_init__(self) -> None:
         mesh = tuple(self.mesh_shape)
@@ -260,6 +289,7 @@ class Cluster:
             "links": [{"bandwidth": lk.bandwidth, "latency": lk.latency} for lk in self.links],
             "backend": self.backend,
             "devices_per_node": self.devices_per_node,
+            **({"fabric": self.fabric.to_dict()} if self.fabric else {}),
         }
 
     @classmethod
@@ -275,6 +305,7 @@ class Cluster:
                 links=tuple(Link(lk["bandwidth"], lk["latency"]) for lk in data["links"]),
                 backend=data.get("backend", "nccl"),
                 devices_per_node=int(data.get("devices_per_node", 8)),
+                fabric=Fabric.from_dict(data["fabric"]) if "fabric" in data else None,
             )
         except (KeyError, TypeError) as e:
             raise ValueError(
@@ -333,9 +364,33 @@ class Cluster:
             device=p.device,
             mesh_shape=mesh,
             axis_names=tuple(axis_names),
-            links=_axis_links(mesh, dpn, p),
+            links=p.fabric.axis_links(mesh, dpn),
             backend=p.backend,
             devices_per_node=dpn,
+            fabric=p.fabric,
+        )
+
+    def reshaped(self, mesh_shape: Sequence[int], axis_names: Sequence[str]) -> Cluster:
+        """The same devices on another logical mesh (row-major over ranks, nodes filled
+        first), with each axis's link derived from the fabric."""
+        mesh = tuple(int(s) for s in mesh_shape)
+        if math.prod(mesh) != self.world_size:
+            raise ValueError(
+                f"mesh {mesh} has {math.prod(mesh)} devices; this cluster has {self.world_size}"
+            )
+        if self.fabric is None:
+            raise ValueError(
+                "this cluster was built from explicit per-axis links, so its devices cannot be "
+                "re-meshed; build it with Cluster.preset(...) or pass the mesh you want"
+            )
+        return Cluster(
+            self.device,
+            mesh,
+            tuple(axis_names),
+            self.fabric.axis_links(mesh, self.devices_per_node),
+            self.backend,
+            self.devices_per_node,
+            self.fabric,
         )
 
     @classmethod

@@ -31,6 +31,8 @@ class GPTConfig:
     bias: bool = True
     gelu_approximate: str = "tanh"  # GPT-2 used the tanh approximation; "none" = exact erf
     layer_norm_eps: float = 1e-5
+    tie_embeddings: bool = True  # lm_head shares wte's weight (GPT-2); Megatron unties them
+    dtype: str = "float32"  # parameter dtype; "bfloat16" for the Megatron-scale configs
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
@@ -73,6 +75,34 @@ GPT_CONFIGS: dict[str, GPTConfig] = {
         vocab_size=GPT2_PADDED_VOCAB, block_size=1024, n_layer=48, n_head=25, n_embd=1600
     ),
 }
+
+# Megatron-Core's H100 weak-scaling models (seq 4096, vocab 131072, untied head, bf16):
+# name -> (hidden, layers, heads). Planning-only (meta device): see
+# benchmarks/megatron_weak_scaling.py.
+MEGATRON_SHAPES: dict[str, tuple[int, int, int]] = {
+    "1.7b": (2048, 24, 16),
+    "7.1b": (4096, 30, 32),
+    "16b": (6144, 32, 48),
+    "32b": (7168, 48, 56),
+    "70b": (8192, 84, 64),
+    "177b": (12288, 96, 96),
+    "462b": (18432, 112, 144),
+}
+GPT_CONFIGS.update(
+    {
+        f"megatron-{size}": GPTConfig(
+            vocab_size=131072,
+            block_size=4096,
+            n_layer=layers,
+            n_head=heads,
+            n_embd=hidden,
+            bias=False,
+            tie_embeddings=False,
+            dtype="bfloat16",
+        )
+        for size, (hidden, layers, heads) in MEGATRON_SHAPES.items()
+    }
+)
 
 
 class CausalSelfAttention(nn.Module):
@@ -136,8 +166,10 @@ class GPT(nn.Module):
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # weight tying: one Parameter, two uses
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight  # weight tying: one Parameter, two uses
         self.init_weights()
+        self.to(getattr(torch, config.dtype))
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -149,7 +181,7 @@ class GPT(nn.Module):
         proj_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
-                if module is self.lm_head:
+                if module is self.lm_head and self.config.tie_embeddings:
                     continue  # tied to wte, initialised there
                 std = proj_std if name.endswith("c_proj") else 0.02
                 nn.init.normal_(module.weight, mean=0.0, std=std)

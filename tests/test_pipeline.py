@@ -100,9 +100,9 @@ def test_pipeline_degree_search_keeps_the_fastest_candidate() -> None:
     plan = autopar.plan(
         model, batch, cluster=Cluster.preset("cpu", mesh=(4,)), pipeline_stages="auto"
     )
-    tried = plan.solver["pipeline_candidates"]
+    tried = plan.solver["layout_candidates"]
     times = [t for t in tried.values() if isinstance(t, float)]
-    assert "pp1xm1" in tried and len(times) >= 2
+    assert "pp1 dp4 tp1 m1" in tried and len(times) >= 2
     assert plan.predicted_step_time == min(times)
     with pytest.raises(ValueError, match="autopar.plan"):
         autopar.compile(

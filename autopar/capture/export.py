@@ -81,6 +81,7 @@ def capture(model: nn.Module, args: Sequence, loss_fn: Callable | None = None) -
     _merge_tied(captured, root)
     _drop_asserts(captured.gm)
     _drop_clones(captured.gm)
+    _assign_weight_layers(captured.gm)
     if loss_fn is not None:
         _strip_prefix(captured, "model.")
     captured.fingerprint = graph_fingerprint(captured)
@@ -225,12 +226,38 @@ def _strip_prefix(captured: Captured, prefix: str) -> None:
 
 
 def layer_of(node: fx.Node) -> str | None:
-    """The outermost repeated block (an nn.ModuleList/Sequential child) a node belongs to."""
+    """The outermost repeated block (an nn.ModuleList/Sequential child) a node belongs to.
+
+    A placeholder belongs to the block of its users when they are all in one block (a
+    block's own weights), see `_assign_weight_layers`."""
+    if "autopar_layer" in node.meta:
+        return node.meta["autopar_layer"]
     stack = node.meta.get("nn_module_stack") or {}
     for path, _cls in stack.values():
         if re.search(r"(^|\.)\d+$", path):
             return path
     return None
+
+
+def _assign_weight_layers(gm: fx.GraphModule) -> None:
+    """Placeholders carry no module stack; a parameter used inside one block only (through
+    casts and views too) is that block's, so its state is priced, shared and staged with it."""
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        layers, todo, seen = set(), list(n.users), set()
+        while todo:
+            u = todo.pop()
+            if u in seen:
+                continue
+            seen.add(u)
+            layer = layer_of(u)
+            if layer is None and u.op == "call_function" and len(u.all_input_nodes) == 1:
+                todo.extend(u.users)  # a weight-only view/cast outside any block: look on
+            else:
+                layers.add(layer)
+        if len(layers) == 1 and None not in layers:
+            n.meta["autopar_layer"] = layers.pop()
 
 
 def graph_fingerprint(captured: Captured) -> str:

@@ -9,20 +9,33 @@ edge cost  = redistribute(producer output -> consumer input), plus one link late
            + redistribute(gradient at consumer input -> gradient placement at producer):
              the gradient of an input the consumer takes Replicate on an axis where its work
              is split is Partial there; a Partial forward output receives a Replicate grad.
-memory     = parameters: local shard x (param + grad + optimizer states);
+memory     = parameters: local shard x (param + grad + optimizer states); a bf16/fp16
+             parameter is trained in mixed precision (as Megatron and torchtitan do): its
+             gradient in its own dtype plus an fp32 master copy and fp32 optimizer states;
+             `shard_optimizer` (ZeRO-1) splits master and states over the shard's replicas
+             at no extra time (reduce-scatter + all-gather = the all-reduce already priced);
              other nodes: the local bytes of their output (saved for backward), 0 for views.
+
+Weights (`CostWeights`) say how often the graph's parts count in the ILP objective and
+memory: a captured *template* of a few layers stands for all of them (`layer`, per layer
+name), activations are held for several in-flight microbatches under a pipeline
+(`activation`), and parameter-gradient reductions run once per step, not once per
+microbatch (`sync` = 1 / microbatches). The raw per-node figures stay unweighted.
 """
 
 from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate
 
+from autopar.capture.export import layer_of
 from autopar.cluster import Cluster
 from autopar.cost_models import comm, compute, memory
 from autopar.passes.lower import tensor_args
@@ -50,11 +63,36 @@ VIEW_OPS = {
 }
 
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+_FP32 = 4
+
+
+@dataclass(frozen=True, slots=True)
+class CostWeights:
+    layer: Mapping[str, float] = field(default_factory=dict)  # layer name -> multiplicity
+    activation: float = 1.0  # saved activations held at once (in-flight microbatches)
+    sync: float = 1.0  # parameter-gradient reductions per microbatch
+
+    def of(self, n: fx.Node) -> float:
+        layer = layer_of(n)
+        return self.layer.get(layer, 1.0) if layer is not None else 1.0
+
+
 class CostContext:
-    def __init__(self, cluster: Cluster, optimizer_states: int = 2):
+    def __init__(
+        self,
+        cluster: Cluster,
+        optimizer_states: int = 2,
+        weights: CostWeights | None = None,
+        shard_optimizer: bool = False,
+        batch_dependent: set[fx.Node] | None = None,
+    ):
         self.cluster = cluster
         self.mesh_shape = cluster.mesh_shape
         self.optimizer_states = optimizer_states
+        self.shard_optimizer = shard_optimizer
+        self.batch_dependent = batch_dependent
+        self.weights = weights or CostWeights()
         self._inputs: dict[fx.Node, list[fx.Node]] = {}
         self._flops: dict[fx.Node, tuple[float, float, str]] = {}
 
@@ -102,9 +140,14 @@ class CostContext:
         if n.op == "placeholder":
             if not isinstance(val, torch.Tensor) or not s.outputs:
                 return 0.0
-            local = memory.local_numel(val.shape, s.outputs[0], self.mesh_shape)
-            copies = 1 + (1 + self.optimizer_states if n.meta.get("autopar_role") == "param" else 0)
-            return float(local * val.element_size() * copies)
+            spec = s.outputs[0]
+            local = memory.local_numel(val.shape, spec, self.mesh_shape)
+            replicas = math.prod(
+                size
+                for p, size in zip(spec, self.mesh_shape, strict=True)
+                if isinstance(p, Replicate)
+            )
+            return float(local * self._state_bytes(val, is_param(n), replicas))
         if n.target in VIEW_OPS or n.target is operator.getitem or n.op != "call_function":
             return 0.0
         total = 0.0
@@ -114,21 +157,63 @@ class CostContext:
                 total += memory.local_numel(v.shape, spec, self.mesh_shape) * v.element_size()
         return total
 
+    def _state_bytes(self, val: torch.Tensor, trained: bool, replicas: int) -> float:
+        """Bytes per element: the tensor, and for a parameter its gradient and optimizer state
+        (mixed precision: fp32 master and states for a bf16/fp16 parameter). With
+        `shard_optimizer` (ZeRO-1, Megatron's distributed optimizer) the master and states
+        are split over the `replicas` devices holding the same shard."""
+        size = val.element_size()
+        if not trained:
+            return size
+        if val.dtype in LOW_PRECISION:
+            states = _FP32 * (1 + self.optimizer_states)
+        else:
+            states = size * self.optimizer_states
+        return 2 * size + states / (replicas if self.shard_optimizer else 1)
+
+    def is_weight(self, n: fx.Node) -> bool:
+        """A parameter or a value computed from parameters only (a transposed or cast
+        weight): its gradient is a parameter gradient, reduced once per step."""
+        if self.batch_dependent is None:
+            return is_param(n)
+        return is_param(n) or (n.op != "placeholder" and n not in self.batch_dependent)
+
+    def is_activation(self, n: fx.Node) -> bool:
+        return n.op == "call_function"
+
+    def weighted_memory(self, n: fx.Node, s: NodeStrategy) -> float:
+        """Memory as the ILP counts it (see `CostWeights`)."""
+        w = self.weights.of(n) * (self.weights.activation if self.is_activation(n) else 1.0)
+        return w * self.node_memory(n, s)
+
     # ---- edges -----------------------------------------------------------------------------
     def edge_cost(self, u: fx.Node, src, v: fx.Node, s: NodeStrategy, pos: int) -> float:
+        """Forward reshard plus backward transpose, seconds (one microbatch, unweighted)."""
+        return sum(self.edge_parts(u, src, v, s, pos))
+
+    def weighted_edge_cost(self, u: fx.Node, src, v: fx.Node, s: NodeStrategy, pos: int):
+        """The edge as the ILP counts it: gradient sync scaled by `CostWeights.sync`."""
+        fwd, bwd = self.edge_parts(u, src, v, s, pos)
+        sync = self.weights.sync if self.is_weight(u) else 1.0
+        return self.weights.of(v) * (fwd + sync * bwd)
+
+    def edge_parts(self, u: fx.Node, src, v: fx.Node, s: NodeStrategy, pos: int):
+        """(forward reshard, backward gradient reshard) in seconds."""
         dst = s.inputs[pos] if pos < len(s.inputs) else None
         if src is None or dst is None:
-            return 0.0
+            return 0.0, 0.0
         val = _first_tensor(u.meta.get("val"))
         if u.target is not operator.getitem and isinstance(u.meta.get("val"), (tuple, list)):
             val = u.meta["val"][0]
         if val is None:
-            return 0.0
+            return 0.0, 0.0
         grad_dst = self._grad_spec_at_consumer(dst, s)
         grad_src = tuple(Replicate() if p.is_partial() else p for p in src)
-        return self._redistribute(
-            tuple(src), tuple(dst), tuple(val.shape), val.element_size()
-        ) + self._redistribute(grad_dst, grad_src, tuple(val.shape), val.element_size())
+        shape, size = tuple(val.shape), val.element_size()
+        return (
+            self._redistribute(tuple(src), tuple(dst), shape, size),
+            self._redistribute(grad_dst, grad_src, shape, size),
+        )
 
     def _grad_spec_at_consumer(self, dst, s: NodeStrategy):
         out = []
@@ -163,6 +248,10 @@ def _redistribute_cached(cluster: Cluster, src, dst, shape, itemsize) -> float:
         for axis, _ in comm.redistribute_steps(src, dst, cluster.mesh_shape)
     )
     return comm.redistribute_time(src, dst, shape, itemsize, cluster) + launches
+
+
+def is_param(n: fx.Node) -> bool:
+    return n.op == "placeholder" and n.meta.get("autopar_role") == "param"
 
 
 def _same(src, dst) -> bool:

@@ -31,6 +31,7 @@ from autopar.cost_models.comm import send_recv_time
 from autopar.passes.stages import batch_dependent, layer_order
 from autopar.plan import PipelinePlan, Plan
 from autopar.runtime.pipeline import SCHEDULES, stage_ranks
+from autopar.search.costs import CostWeights
 from autopar.search.intra_op import IntraOpResult, solve_intra
 from autopar.search.pins import SearchOptions
 from autopar.search.schedules import Timeline, simulate
@@ -57,41 +58,71 @@ def stage_cluster(cluster: Cluster) -> Cluster:
     )
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
+class PartCost:
+    """One layer (or the part of the graph before/after the layers) on one stage mesh."""
+
+    time: float = 0.0  # forward + backward per microbatch, seconds
+    sync: float = 0.0  # parameter-gradient reduction, once per step, seconds
+    state: float = 0.0  # parameters, gradients, optimizer state, bytes
+    act: float = 0.0  # saved activations per microbatch, bytes
+
+    def __add__(self, other: PartCost) -> PartCost:
+        return PartCost(*(a + b for a, b in zip(self.astuple(), other.astuple(), strict=True)))
+
+    def astuple(self) -> tuple[float, float, float, float]:
+        return (self.time, self.sync, self.state, self.act)
+
+
+@dataclass(frozen=True)
 class LayerCosts:
-    layers: list[str]
-    time: list[float]  # per layer, forward + backward seconds per microbatch
-    memory_state: list[float]  # parameters, gradients, optimizer state (bytes)
-    memory_act: list[float]  # saved activations per microbatch (bytes)
-    pre: tuple[float, float, float]  # outside layers, before the first: time, state, act
-    post: tuple[float, float, float]  # after the last layer
+    layers: tuple[str, ...]
+    parts: tuple[PartCost, ...]  # per layer
+    pre: PartCost  # outside the layers, before the first (embedding)
+    post: PartCost  # after the last layer (final norm, head, loss)
     boundary_bytes: float  # activation bytes a stage sends per microbatch
+
+    @property
+    def time(self) -> list[float]:
+        return [p.time for p in self.parts]
+
+    def repeated(self, total: int) -> LayerCosts:
+        """A template's costs stretched to `total` layers: the last captured layer stands
+        for all the layers that were not captured (they are identical)."""
+        if total <= len(self.layers):
+            return self
+        prefix = self.layers[-1].rsplit(".", 1)[0]
+        extra = total - len(self.layers)
+        return replace(
+            self,
+            layers=(*self.layers, *(f"{prefix}.{len(self.layers) + i}" for i in range(extra))),
+            parts=(*self.parts, *(self.parts[-1],) * extra),
+        )
 
 
 def layer_costs(captured: Captured, result: IntraOpResult) -> LayerCosts:
     layers = layer_order(captured)
     index = {name: i for i, name in enumerate(layers)}
-    t = [0.0] * len(layers)
-    ms, ma = [0.0] * len(layers), [0.0] * len(layers)
-    pre, post = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
+    parts = [PartCost()] * len(layers)
+    pre, post = PartCost(), PartCost()
     seen_layer = False
     batch = batch_dependent(captured)
     for n in captured.gm.graph.nodes:
         if n not in result.chosen or n.op == "output":
             continue
-        layer = layer_of(n)
+        time, sync = result.node_times(n)
+        mem = result.node_memory(n)
         state = n.op == "placeholder" or n not in batch
-        cost, mem = result.node_time(n), result.node_memory(n)
+        cost = PartCost(time, sync, mem if state else 0.0, 0.0 if state else mem)
+        layer = layer_of(n)
         if layer is not None:
             seen_layer = True
-            i = index[layer]
-            t[i] += cost
-            (ms if state else ma)[i] += mem
+            parts[index[layer]] += cost
+        elif seen_layer:
+            post += cost
         else:
-            bucket = post if seen_layer else pre
-            bucket[0] += cost
-            bucket[1 if state else 2] += mem
-    return LayerCosts(layers, t, ms, ma, tuple(pre), tuple(post), _boundary_bytes(captured))
+            pre += cost
+    return LayerCosts(tuple(layers), tuple(parts), pre, post, _boundary_bytes(captured))
 
 
 def _boundary_bytes(captured: Captured) -> float:
@@ -136,22 +167,26 @@ def balanced_cuts(costs: list[float], stages: int) -> tuple[int, ...]:
     return tuple(reversed(cuts))
 
 
-def _stage_figures(lc: LayerCosts, cuts: tuple[int, ...]):
-    n = len(lc.layers)
-    bounds = list(cuts) + [n]
-    times, state, act = [], [], []
+def _stage_parts(lc: LayerCosts, cuts: tuple[int, ...]) -> list[PartCost]:
+    bounds = [*cuts, len(lc.layers)]
+    out = []
     for s in range(len(cuts)):
-        lo, hi = bounds[s], bounds[s + 1]
-        t = sum(lc.time[lo:hi])
-        ms, ma = sum(lc.memory_state[lo:hi]), sum(lc.memory_act[lo:hi])
+        total = sum(lc.parts[bounds[s] : bounds[s + 1]], PartCost())
         if s == 0:
-            t, ms, ma = t + lc.pre[0], ms + lc.pre[1], ma + lc.pre[2]
+            total += lc.pre
         if s == len(cuts) - 1:
-            t, ms, ma = t + lc.post[0], ms + lc.post[1], ma + lc.post[2]
-        times.append(t)
-        state.append(ms)
-        act.append(ma)
-    return times, state, act
+            total += lc.post
+        out.append(total)
+    return out
+
+
+@dataclass(frozen=True)
+class PricedSchedule:
+    schedule: str
+    cuts: tuple[int, ...]
+    timeline: Timeline
+    peak_memory: float  # bytes on the fullest rank
+    step_time: float  # timeline + the slowest rank's gradient sync, seconds
 
 
 def price_schedule(
@@ -161,27 +196,74 @@ def price_schedule(
     microbatches: int,
     cluster: Cluster,
     cuts: tuple[int, ...] | None = None,
-):
+) -> PricedSchedule:
     virtual = SCHEDULES[schedule][1]
     num = pp * virtual
     if cuts is None:
-        weights = [t for t in lc.time]
-        weights[0] += lc.pre[0]
-        weights[-1] += lc.post[0]
+        weights = lc.time
+        weights[0] += lc.pre.time
+        weights[-1] += lc.post.time
         cuts = balanced_cuts(weights, num)
-    times, state, act = _stage_figures(lc, cuts)
+    stages = _stage_parts(lc, cuts)
     pp_axis = cluster.axis_names.index("pp")
     p2p = send_recv_time(lc.boundary_bytes, cluster.links[pp_axis])
+    times = [p.time for p in stages]
     tl = simulate(
         schedule, [t / 3 for t in times], [2 * t / 3 for t in times], microbatches, pp, p2p
     )
     ranks = stage_ranks(schedule, pp)
-    peak = []
+    peak, sync = [], []
     for r in range(pp):
-        mine = [s for s in range(num) if ranks[s] == r]
-        per_mb_act = max(act[s] for s in mine)
-        peak.append(sum(state[s] for s in mine) + per_mb_act * tl.in_flight[r])
-    return cuts, tl, max(peak)
+        mine = [stages[s] for s in range(num) if ranks[s] == r]
+        per_mb_act = max(p.act for p in mine)
+        peak.append(sum(p.state for p in mine) + per_mb_act * tl.in_flight[r])
+        sync.append(sum(p.sync for p in mine))
+    return PricedSchedule(schedule, cuts, tl, max(peak), tl.step_time + max(sync))
+
+
+def pipeline_weights(pp: int, microbatches: int, layers: dict[str, float]) -> CostWeights:
+    """What the ILP of a pipelined graph weighs: each rank holds 1/pp of the layers and up
+    to min(pp, microbatches) microbatches of their activations (1F1B's first rank), and
+    reduces gradients once per step."""
+    return CostWeights(layer=layers, activation=min(pp, microbatches), sync=1 / microbatches)
+
+
+def solve_pipeline(
+    captured: Captured,
+    cluster: Cluster,
+    stage_mesh: DeviceMesh,
+    options: SearchOptions,
+    pipeline: PipelineOptions,
+    layers: dict[str, float] | None = None,
+    total_layers: int | None = None,
+) -> tuple[IntraOpResult, PricedSchedule, dict[str, float]]:
+    """One ILP for the stage mesh, then every schedule (or the pinned one) priced; the
+    fastest that fits wins. `layers`/`total_layers`: the graph is a template whose layers
+    stand for `total_layers` (see `CostWeights`). Raises ValueError when none fits."""
+    pp = cluster.axis_size("pp")
+    limit = options.memory_limit or cluster.device.memory_bytes * 0.9
+    weights = pipeline_weights(pp, pipeline.microbatches, layers or {})
+    result = solve_intra(
+        captured, stage_cluster(cluster), stage_mesh, options, weights, memory_limit=limit * pp
+    )
+    lc = layer_costs(captured, result).repeated(total_layers or 0)
+    candidates = [pipeline.schedule] if pipeline.schedule else list(SCHEDULES)
+    priced: list[PricedSchedule] = []
+    failures = []
+    for sched in candidates:
+        try:
+            p = price_schedule(lc, sched, pp, pipeline.microbatches, cluster, pipeline.stage_cuts)
+        except ValueError as exc:
+            failures.append(f"{sched}: {exc}")
+            continue
+        if p.peak_memory <= limit:
+            priced.append(p)
+        else:
+            failures.append(f"{sched}: needs {p.peak_memory / 2**30:.1f} GiB per device")
+    if not priced:
+        raise ValueError("no pipeline schedule fits: " + "; ".join(failures))
+    best = min(priced, key=lambda p: p.step_time)
+    return result, best, {p.schedule: p.step_time for p in priced}
 
 
 def search_pipeline(
@@ -191,49 +273,29 @@ def search_pipeline(
     options: SearchOptions,
     pipeline: PipelineOptions,
 ) -> Plan:
-    pp = cluster.axis_size("pp")
+    result, best, schedules = solve_pipeline(captured, cluster, stage_mesh, options, pipeline)
     sub = stage_cluster(cluster)
-    result = solve_intra(captured, sub, stage_mesh, options)
-    lc = layer_costs(captured, result)
-    limit = options.memory_limit or cluster.device.memory_bytes * 0.9
-    candidates = [pipeline.schedule] if pipeline.schedule else list(SCHEDULES)
-    priced: list[tuple[float, str, tuple[int, ...], Timeline, float]] = []
-    failures = []
-    for sched in candidates:
-        try:
-            cuts, tl, peak = price_schedule(
-                lc, sched, pp, pipeline.microbatches, cluster, pipeline.stage_cuts
-            )
-        except ValueError as exc:
-            failures.append(f"{sched}: {exc}")
-            continue
-        if peak <= limit:
-            priced.append((tl.step_time, sched, cuts, tl, peak))
-        else:
-            failures.append(f"{sched}: needs {peak / 2**30:.1f} GiB per device")
-    if not priced:
-        raise ValueError("no pipeline schedule fits: " + "; ".join(failures))
-    step, sched, cuts, tl, peak = min(priced)
     plan = assemble_plan(
         captured,
         cluster,
         result.chosen,
         options.strategy_name(),
-        step,
-        peak,
-        {**result.info, "schedules": {s: t for t, s, *_ in priced}, "bubble": tl.bubble},
+        best.step_time,
+        best.peak_memory,
+        {**result.info, "schedules": schedules, "bubble": best.timeline.bubble},
     )
+    pp = cluster.axis_size("pp")
     return replace(
         plan,
         pipeline=PipelinePlan(
             pp=pp,
-            stage_cuts=cuts,
-            layers=tuple(lc.layers),
-            schedule=sched,
+            stage_cuts=best.cuts,
+            layers=tuple(layer_order(captured)),
+            schedule=best.schedule,
             microbatches=pipeline.microbatches,
             stage_mesh=sub.mesh_shape,
             stage_axis_names=sub.axis_names,
-            rank_of_stage=tuple(stage_ranks(sched, pp)),
-            timeline=tl.rows,
+            rank_of_stage=tuple(stage_ranks(best.schedule, pp)),
+            timeline=best.timeline.rows,
         ),
     )

@@ -35,9 +35,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.capture import Captured
 from autopar.capture.export import layer_of
 from autopar.cluster import Cluster
+from autopar.passes.stages import batch_dependent
 from autopar.passes.strategies import NodeStrategy, enumerate_strategies
 from autopar.plan import Plan
-from autopar.search.costs import CostContext
+from autopar.search.costs import CostContext, CostWeights
 from autopar.search.ilp import Edge, IntraOpProblem, MemoryInfeasible, solve_intra_op
 from autopar.search.pins import SearchOptions, apply_pins
 from autopar.search.to_plan import assemble_plan
@@ -117,9 +118,13 @@ def share_layers(dec: Decisions, strats) -> list[int]:
 
 def _signature(item: Decision, strats) -> tuple:
     return tuple(
-        (str(n.target), _shape(n), tuple(m), tuple(str(s) for s in strats[n]))
-        for n, m in item.members
+        (_op_key(n), _shape(n), tuple(m), tuple(str(s) for s in strats[n])) for n, m in item.members
     )
+
+
+def _op_key(n: fx.Node) -> str:
+    """What a node computes; placeholders are told apart by role, not by their names."""
+    return f"placeholder:{n.meta.get('autopar_role')}" if n.op == "placeholder" else str(n.target)
 
 
 def _shape(n: fx.Node):
@@ -143,8 +148,8 @@ def price(
         i = index[rep[d]]
         for n, mapping in item.members:
             for c, j in enumerate(mapping):
-                cost[i][c] += ctx.node_cost(n, strats[n][j])
-                mem[i][c] += ctx.node_memory(n, strats[n][j])
+                cost[i][c] += ctx.weights.of(n) * ctx.node_cost(n, strats[n][j])
+                mem[i][c] += ctx.weighted_memory(n, strats[n][j])
     edges = _edges(dec, rep, index, strats, ctx)
     problem = IntraOpProblem(
         node_cost=tuple(tuple(r) for r in cost),
@@ -167,7 +172,7 @@ def _edges(dec: Decisions, rep, index, strats, ctx: CostContext) -> list[Edge]:
             for cu, ju in enumerate(map_u):
                 src = ctx.output_spec(u, strats[u][ju], v_node)
                 for cv, jv in enumerate(v_map):
-                    mat[cu][cv] += ctx.edge_cost(u, src, v_node, strats[v_node][jv], pos)
+                    mat[cu][cv] += ctx.weighted_edge_cost(u, src, v_node, strats[v_node][jv], pos)
     return [Edge(u, v, tuple(tuple(r) for r in m)) for (u, v), m in acc.items()]
 
 
@@ -183,28 +188,50 @@ class IntraOpResult:
 
     def node_time(self, n: fx.Node) -> float:
         """Compute plus the resharding of its inputs (forward and backward), seconds."""
+        return sum(self.node_times(n))
+
+    def node_times(self, n: fx.Node) -> tuple[float, float]:
+        """(per microbatch: compute and activation resharding, forward and backward;
+        per step: the reduction of parameter gradients), seconds, unweighted."""
         s = self.chosen[n]
-        total = self.ctx.node_cost(n, s)
+        total, sync = self.ctx.node_cost(n, s), 0.0
         for pos, u in enumerate(self.ctx.tensor_inputs(n)):
             src = self.ctx.output_spec(u, self.chosen[u], n)
-            total += self.ctx.edge_cost(u, src, n, s, pos)
-        return total
+            fwd, bwd = self.ctx.edge_parts(u, src, n, s, pos)
+            if self.ctx.is_weight(u):
+                total, sync = total + fwd, sync + bwd
+            else:
+                total += fwd + bwd
+        return total, sync
 
     def node_memory(self, n: fx.Node) -> float:
         return self.ctx.node_memory(n, self.chosen[n])
 
 
 def solve_intra(
-    captured: Captured, cluster: Cluster, mesh: DeviceMesh, options: SearchOptions | None = None
+    captured: Captured,
+    cluster: Cluster,
+    mesh: DeviceMesh,
+    options: SearchOptions | None = None,
+    weights: CostWeights | None = None,
+    memory_limit: float | None = None,
 ) -> IntraOpResult:
+    """The ILP's choice per node. `weights` and `memory_limit` (default: the device's, or
+    `options.memory_limit`) are how a pipeline search asks for its stages' budget."""
     options = options or SearchOptions()
     t0 = time.perf_counter()
     strats = enumerate_strategies(captured.gm, mesh)
     strats = apply_pins(captured, strats, options, mesh)
-    ctx = CostContext(cluster, optimizer_states=options.optimizer_states)
+    ctx = CostContext(
+        cluster,
+        optimizer_states=options.optimizer_states,
+        weights=weights,
+        shard_optimizer=options.shard_optimizer,
+        batch_dependent=batch_dependent(captured),
+    )
     dec = build_decisions(captured.gm, strats, ctx)
     rep = share_layers(dec, strats) if options.share_layers else list(range(len(dec.items)))
-    limit = options.memory_limit or cluster.device.memory_bytes * 0.9
+    limit = memory_limit or options.memory_limit or cluster.device.memory_bytes * 0.9
     problem, var_of = price(dec, rep, strats, ctx, limit, options.time_limit_s)
     try:
         solution = solve_intra_op(problem)
@@ -221,6 +248,7 @@ def solve_intra(
         "decisions": len(dec.items),
         "ilp_decisions": len(problem.node_cost),
         "edges": len(problem.edges),
+        **({"shard_optimizer": True} if options.shard_optimizer else {}),
     }
     return IntraOpResult(chosen, ctx, solution.objective, solution.memory, info)
 

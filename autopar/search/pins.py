@@ -42,6 +42,9 @@ class SearchOptions:
     time_limit_s: float = 30.0
     share_layers: bool = True
     optimizer_states: int = 2
+    # price ZeRO-1 (optimizer state split over replicas); planning only: the runtime's
+    # optimizer keeps full state, so compile refuses such plans
+    shard_optimizer: bool = False
 
     def roles(self, ndim: int) -> tuple[str, ...]:
         roles = (self.strategy,) * ndim if isinstance(self.strategy, str) else tuple(self.strategy)
