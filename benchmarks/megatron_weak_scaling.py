@@ -1,0 +1,164 @@
+"""autopar's layouts for Megatron-Core's H100 weak-scaling runs, priced beside Megatron's own.
+
+    python benchmarks/megatron_weak_scaling.py [--rows 1.7b,7.1b] [--csv out.csv] [--full-plan]
+
+Rows (GPT, seq 4096, vocab 131072, bf16, 48-way data parallel in Megatron's runs): the
+cluster is `dgx-h100` with 48 * TP * PP GPUs. For each row the layout search
+(`autopar.search.layouts`) picks pp / dp / tp / microbatches / schedule, and the same
+pricer prices Megatron's (TP, PP) with dp = 48, one sequence per microbatch (the rest,
+placements and schedule, left to the same search). Both are priced with ZeRO-1 optimizer
+state (Megatron's distributed optimizer, `shard_optimizer=True`) and no activation
+recompute, by autopar's roofline + alpha-beta cost model (no compute/communication overlap).
+
+TFLOP/s per GPU use the model FLOPs of Megatron's formula without recompute:
+72 * B * s * L * h^2 * (1 + s / (6h) + V / (12 L h)) per step.
+`--full-plan` also times `autopar.plan(..., pipeline_stages="auto")` end to end (layout
+search, full capture, final ILP) on the largest row selected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import autopar  # noqa: E402
+from autopar.api import _fake_group  # noqa: E402
+from autopar.cluster import Cluster  # noqa: E402
+from autopar.search.layouts import Layout, _Pricer, search_layout  # noqa: E402
+from autopar.search.pins import SearchOptions  # noqa: E402
+from samples import get_sample  # noqa: E402
+from samples.gpt import MEGATRON_SHAPES  # noqa: E402
+
+# row -> (Megatron TP, PP, global batch, measured TFLOP/s per GPU)
+MEGATRON = {
+    "1.7b": (1, 1, 192, 409),
+    "7.1b": (2, 1, 192, 466),
+    "16b": (4, 1, 192, 489),
+    "32b": (8, 1, 192, 460),
+    "70b": (8, 2, 384, 420),
+    "177b": (8, 6, 1152, 433),
+    "462b": (8, 16, 3072, 460),
+}
+DP = 48
+SEQ, VOCAB = 4096, 131072
+GiB = 2**30
+
+
+def model_flops(row: str, batch: int) -> float:
+    h, layers, _ = MEGATRON_SHAPES[row]
+    return 72 * batch * SEQ * layers * h * h * (1 + SEQ / (6 * h) + VOCAB / (12 * layers * h))
+
+
+def run_row(row: str) -> dict:
+    tp, pp, batch, measured = MEGATRON[row]
+    world = DP * tp * pp
+    cluster = Cluster.preset("dgx-h100", nodes=world // 8)
+    sample = get_sample("gpt")
+    model = sample.build(f"megatron-{row}", device="meta")
+    inputs = sample.example_batch(model, batch, device="meta")
+    options = SearchOptions(shard_optimizer=True)
+    with _fake_group(world):
+        t0 = time.perf_counter()
+        ours = search_layout(model, inputs, cluster, options)
+        search_s = time.perf_counter() - t0
+        pricer = _Pricer(model, inputs, cluster, options, None)
+        megatron = Layout(pp, DP, tp, batch // DP if pp > 1 else 1)
+        try:
+            m_step, m_peak, m_layout = pricer.price(megatron, None)
+        except ValueError as exc:  # does not fit under this cost model
+            m_step, m_peak, m_layout = float("inf"), float("nan"), megatron
+            print(f"  {row}: Megatron's layout does not fit: {str(exc)[:160]}")
+    best = ours.best
+    tp_link = best.cluster(cluster).link("tp") if best.tp > 1 else None
+    flops = model_flops(row, batch)
+    return {
+        "row": row,
+        "gpus": world,
+        "tp": best.tp,
+        "pp": best.pp,
+        "dp": best.dp,
+        "schedule": best.schedule or "-",
+        "microbatches": best.microbatches,
+        "step_s": ours.step_time,
+        "peak_gib": ours.peak_memory / GiB,
+        "tflops": flops / ours.step_time / world / 1e12,
+        "megatron_layout": m_layout.key,
+        "megatron_step_s": m_step,
+        "megatron_peak_gib": m_peak / GiB,
+        "megatron_priced_tflops": flops / m_step / world / 1e12,
+        "megatron_measured_tflops": measured,
+        "x_megatron": ours.step_time / m_step,
+        "tp_inside_node": tp_link is None or tp_link == cluster.fabric.intra,
+        "fits": ours.peak_memory <= cluster.device.memory_bytes,
+        "search_s": search_s,
+    }
+
+
+def full_plan_seconds(row: str) -> tuple[float, str]:
+    tp, pp, batch, _ = MEGATRON[row]
+    cluster = Cluster.preset("dgx-h100", nodes=DP * tp * pp // 8)
+    sample = get_sample("gpt")
+    model = sample.build(f"megatron-{row}", device="meta")
+    inputs = sample.example_batch(model, batch, device="meta")
+    t0 = time.perf_counter()
+    plan = autopar.plan(
+        model, inputs, cluster=cluster, pipeline_stages="auto", shard_optimizer=True
+    )
+    return time.perf_counter() - t0, plan.solver["layout"]
+
+
+COLUMNS = [
+    ("row", "{}"),
+    ("gpus", "{}"),
+    ("tp", "{}"),
+    ("pp", "{}"),
+    ("dp", "{}"),
+    ("schedule", "{}"),
+    ("microbatches", "{}"),
+    ("step_s", "{:.2f}"),
+    ("peak_gib", "{:.1f}"),
+    ("tflops", "{:.0f}"),
+    ("megatron_layout", "{}"),
+    ("megatron_step_s", "{:.2f}"),
+    ("megatron_priced_tflops", "{:.0f}"),
+    ("megatron_measured_tflops", "{}"),
+    ("x_megatron", "{:.3f}"),
+    ("tp_inside_node", "{}"),
+    ("fits", "{}"),
+    ("search_s", "{:.1f}"),
+]
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default=",".join(MEGATRON))
+    parser.add_argument("--csv", default="build/megatron_weak_scaling.csv")
+    parser.add_argument("--full-plan", action="store_true")
+    args = parser.parse_args()
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    results = []
+    print(" | ".join(name for name, _ in COLUMNS))
+    for row in rows:
+        r = run_row(row)
+        results.append(r)
+        print(" | ".join(fmt.format(r[name]) for name, fmt in COLUMNS), flush=True)
+    Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.csv, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(results[0]))
+        writer.writeheader()
+        writer.writerows(results)
+    print(f"wrote {args.csv}")
+    if args.full_plan:
+        seconds, layout = full_plan_seconds(rows[-1])
+        print(f"autopar.plan end to end for {rows[-1]}: {seconds:.1f} s -> {layout}")
+
+
+if __name__ == "__main__":
+    main()
