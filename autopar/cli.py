@@ -36,13 +36,11 @@ from rich.table import Table
 from torch import nn
 from torch.distributed.tensor import Replicate
 
-from autopar.cluster import PRESETS, Cluster
+from autopar.cluster import PRESETS, Cluster, with_pipeline_axis
 from autopar.cost_models.comm import Collective, redistribute_plan, transition_kind
 from autopar.cost_models.memory import local_numel
-from autopar.plan import NodePlan, Plan, TensorPlan, parse_spec
+from autopar.plan import SCHEDULES, NodePlan, Plan, TensorPlan, parse_spec
 from autopar.plan_views import axis_roles, describe
-from autopar.runtime.pipeline import SCHEDULES
-from autopar.search.job import with_pipeline_axis
 from autopar.search.pins import ROLES
 
 app = typer.Typer(

@@ -35,7 +35,7 @@ import json
 import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -442,3 +442,48 @@ class Cluster:
         if device_type is None:
             device_type = "cpu" if self.backend == "gloo" else "cuda"
         return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.axis_names)
+
+
+def with_pipeline_axis(cluster: Cluster, stages: int | None) -> Cluster:
+    """The cluster with its pipeline axis named "pp" first, and at least one other axis.
+
+    An axis already named "pp" is used as it is (it must be the first). Otherwise
+    `stages` splits the first axis: (n, ...) -> (stages, n // stages, ...), dropping a
+    resulting size-1 axis unless it is the only one left beside "pp"."""
+    names = tuple(cluster.axis_names)
+    if "pp" in names:
+        if names[0] != "pp":
+            raise ValueError(f"the pipeline axis 'pp' must be the first mesh axis; got {names}")
+        if stages not in (None, cluster.mesh_shape[0]):
+            raise ValueError(
+                f"pipeline_stages={stages} but the 'pp' axis has size "
+                f"{cluster.mesh_shape[0]}; drop one of the two"
+            )
+        base = cluster
+    elif stages is None or stages == 1:
+        return cluster
+    else:
+        first = cluster.mesh_shape[0]
+        if first % stages:
+            raise ValueError(
+                f"pipeline_stages={stages} does not divide the first mesh axis "
+                f"('{names[0]}' of size {first}); name a 'pp' axis in the mesh"
+            )
+        shape = (stages, first // stages, *cluster.mesh_shape[1:])
+        links = (cluster.links[0], cluster.links[0], *cluster.links[1:])
+        base = replace(cluster, mesh_shape=shape, axis_names=("pp", *names), links=links)
+        if shape[1] == 1 and len(shape) > 2:
+            base = replace(
+                base,
+                mesh_shape=(shape[0], *shape[2:]),
+                axis_names=("pp", *names[1:]),
+                links=(links[0], *links[2:]),
+            )
+    if len(base.mesh_shape) == 1:
+        base = replace(
+            base,
+            mesh_shape=(*base.mesh_shape, 1),
+            axis_names=(*base.axis_names, "stage"),
+            links=base.links * 2,
+        )
+    return base

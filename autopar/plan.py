@@ -101,6 +101,27 @@ class TensorPlan:
     dtype: str
 
 
+# The schedule vocabulary: a schedule's name -> virtual stages per pipeline rank. What runs
+# each one (torch.distributed.pipelining's classes) is the runtime's business.
+SCHEDULES: dict[str, int] = {
+    "gpipe": 1,
+    "1f1b": 1,
+    "interleaved1f1b": 2,
+    "interleavedzb": 2,
+    "zbv": 2,
+    "dualpipev": 2,
+}
+V_SHAPED = frozenset({"zbv", "dualpipev"})
+
+
+def stage_ranks(schedule: str, pp: int) -> list[int]:
+    """Pipeline rank of every stage: round-robin, or a V (stage s and 2pp-1-s on one rank)."""
+    n = pp * SCHEDULES[schedule]
+    if schedule in V_SHAPED:
+        return [s if s < pp else n - 1 - s for s in range(n)]
+    return [s % pp for s in range(n)]
+
+
 @dataclass(frozen=True, slots=True)
 class PipelinePlan:
     """The inter-op half: stages over the `pp` mesh axis and their schedule.

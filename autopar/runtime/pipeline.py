@@ -29,25 +29,6 @@ from autopar.plan import Plan, parse_spec
 from autopar.runtime.inductor import aot_compiler, uses_inductor
 from autopar.runtime.shards import local_chunk
 
-SCHEDULES = {
-    "gpipe": ("ScheduleGPipe", 1),
-    "1f1b": ("Schedule1F1B", 1),
-    "interleaved1f1b": ("ScheduleInterleaved1F1B", 2),
-    "interleavedzb": ("ScheduleInterleavedZeroBubble", 2),
-    "zbv": ("ScheduleZBVZeroBubble", 2),
-    "dualpipev": ("ScheduleDualPipeV", 2),
-}
-V_SHAPED = {"zbv", "dualpipev"}
-
-
-def stage_ranks(schedule: str, pp: int) -> list[int]:
-    """Pipeline rank of every stage."""
-    virtual = SCHEDULES[schedule][1]
-    n = pp * virtual
-    if schedule in V_SHAPED:
-        return [s if s < pp else n - 1 - s for s in range(n)]
-    return [s % pp for s in range(n)]
-
 
 def _identity_compiler(gm, _example_inputs):
     return gm

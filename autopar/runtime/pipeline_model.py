@@ -11,15 +11,9 @@ from torch.distributed.pipelining import schedules as pp_schedules
 
 from autopar.capture import Captured
 from autopar.passes.stages import split_stages
-from autopar.plan import Plan, parse_spec
+from autopar.plan import SCHEDULES, Plan, parse_spec, stage_ranks
 from autopar.runtime.parallel_model import OptimizerFactory, TrainingSteps
-from autopar.runtime.pipeline import (
-    SCHEDULES,
-    StageModule,
-    _example,
-    boundary_spec,
-    stage_ranks,
-)
+from autopar.runtime.pipeline import StageModule, _example, boundary_spec
 from autopar.runtime.shards import gather_full, local_chunk
 
 
@@ -176,10 +170,21 @@ def _tied_params(graphs) -> list[str]:
     return sorted(n for n, c in count.items() if c > 1)
 
 
+# torch.distributed.pipelining's class for each schedule of the plan's vocabulary
+SCHEDULE_CLASSES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved1f1b": "ScheduleInterleaved1F1B",
+    "interleavedzb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+
+
 def _make_schedule(plan: Plan, stages: list[PipelineStage]):
-    cls = getattr(pp_schedules, SCHEDULES[plan.schedule][0])
+    cls = getattr(pp_schedules, SCHEDULE_CLASSES[plan.schedule])
     loss_fn = _stage_output_is_loss
-    if SCHEDULES[plan.schedule][1] == 1:
+    if SCHEDULES[plan.schedule] == 1:
         return cls(stages[0], plan.microbatches, loss_fn=loss_fn)
     return cls(stages, plan.microbatches, loss_fn=loss_fn)
 

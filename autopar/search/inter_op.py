@@ -29,8 +29,7 @@ from autopar.capture.export import layer_of
 from autopar.cluster import Cluster
 from autopar.cost_models.comm import send_recv_time
 from autopar.passes.stages import batch_dependent, layer_order
-from autopar.plan import PipelinePlan, Plan
-from autopar.runtime.pipeline import SCHEDULES, stage_ranks
+from autopar.plan import SCHEDULES, PipelinePlan, Plan, stage_ranks
 from autopar.search.costs import CostWeights
 from autopar.search.intra_op import IntraOpResult, solve_intra
 from autopar.search.pins import SearchOptions
@@ -197,7 +196,7 @@ def price_schedule(
     cluster: Cluster,
     cuts: tuple[int, ...] | None = None,
 ) -> PricedSchedule:
-    virtual = SCHEDULES[schedule][1]
+    virtual = SCHEDULES[schedule]
     num = pp * virtual
     if cuts is None:
         weights = lc.time

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.runtime.pipeline import SCHEDULES, V_SHAPED, stage_ranks
+from autopar.plan import SCHEDULES, V_SHAPED, stage_ranks
 
 
 @dataclass(frozen=True, slots=True)
