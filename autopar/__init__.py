@@ -10,6 +10,7 @@ See docs/ARCHITECTURE.md for the stages.
 from autopar.api import compile, plan
 from autopar.capture import CaptureError
 from autopar.cluster import Cluster, DeviceSpec, Link
+from autopar.options import PlanOptions
 from autopar.plan import Plan
 from autopar.runtime.parallel_model import ParallelModel
 from autopar.search.ilp import MemoryInfeasible
@@ -22,6 +23,7 @@ __all__ = [
     "MemoryInfeasible",
     "ParallelModel",
     "Plan",
+    "PlanOptions",
     "compile",
     "plan",
 ]

@@ -1,16 +1,37 @@
 """The one place where autopar touches private PyTorch APIs.
 
-A torch upgrade that moves one of these breaks this file only. Imports are grouped by the
-stage that uses them, each group saying why the public API does not suffice. Everything
-here is re-exported through `__all__` (so linters keep it).
+A torch upgrade that moves one of these breaks this file only. The rest of autopar sees a
+small interface, grouped by the stage that uses it, each group saying why the public API
+does not suffice:
+
+* types and tracing helpers re-exported as they are (``OpOverload``, ``make_fx``, the
+  pytree flatten/unflatten, ...), listed in ``__all__``;
+* DTensor's sharding-strategy registry behind functions: :func:`single_dim_rule`,
+  :func:`op_strategy_func`, :func:`op_schema_info` and :func:`decomp_strategy` look an op
+  up; :func:`register_op_strategy` adds one; :func:`clear_sharding_cache` forgets cached
+  propagations; :func:`no_dtensor_redistribute_costs` disables DTensor's own resharding
+  prices while autopar enumerates; :data:`NO_STRATEGY_ERRORS` are the exceptions with
+  which DTensor says "no strategy for these arguments";
+* DTensor tensors and placements: :func:`local_tensor`, :func:`is_mask_partial`;
+* ops: :func:`is_collective_op`.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
 
 # pipeline stages: AOTAutograd splits a stage's traced program into forward and backward
 # graphs behind one autograd.Function (the schedules drive forward and backward separately);
 # a compiler it calls returns a function of one boxed argument list (make_boxed_func).
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
+
+# fusion pass (passes/fusion): the fake mode of a graph's FakeTensor values, to run a new
+# op's fake implementation on them.
+from torch._guards import detect_fake_mode
 
 # fusion="inductor" (runtime/inductor.py): importing torch._dynamo already fills
 # TORCHINDUCTOR_CACHE_DIR with torch's default (a folder in the system's temp directory);
@@ -19,14 +40,17 @@ from torch._inductor.runtime.cache_dir_utils import (
     default_cache_dir as default_inductor_cache_dir,
 )
 
-# strategies (autopar/passes/strategies): DTensor's sharding-strategy registry and its schema
-# types, placeholder dims in DTensor's single-mesh-dim rules, tuple (list-of-tensor)
-# strategies, the vocab-parallel embedding partial, the full-mesh expansion helper used to
-# register autopar rules into DTensor, and the decomposition-based propagation fallback;
-# LocalTensorMode (N ranks in one process) for the strategy tests; DTensor's op-strategy
-# modules, whose redistribute-cost hook the enumeration stubs out (it is quadratic in the
-# candidates and the search prices resharding itself). None has a public equivalent.
+# fusion pass, plan assembly, rules: the type of `torch.ops.<namespace>.<op>.<overload>`
+# (no public alias).
+from torch._ops import OpOverload
+
+# strategies (autopar/passes/strategies): the schema types DTensor's strategy functions
+# take and return (autopar reads DTensor's strategies and writes its own for the fused and
+# CPU flash-attention ops), placeholder dims in DTensor's single-mesh-dim rules, the
+# full-mesh expansion helper, and LocalTensorMode (N ranks in one process) for the strategy
+# tests, the vocab-parallel embedding's masked partial. None has a public equivalent.
 from torch.distributed._local_tensor import LocalTensorMode
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._decompositions import DecompShardingStrategy
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import (
@@ -36,15 +60,13 @@ from torch.distributed.tensor._op_schema import (
     RuntimeSchemaInfo,
     TupleStrategy,
 )
-from torch.distributed.tensor._ops import _math_ops as dtensor_math_ops
-from torch.distributed.tensor._ops import _matrix_ops as dtensor_matrix_ops
-from torch.distributed.tensor._ops import _tensor_ops as dtensor_tensor_ops
-from torch.distributed.tensor._ops import _view_ops as dtensor_view_ops
-from torch.distributed.tensor._ops import utils as dtensor_ops_utils
+from torch.distributed.tensor._ops import _math_ops, _matrix_ops, _tensor_ops, _view_ops
+from torch.distributed.tensor._ops import utils as _ops_utils
 from torch.distributed.tensor._ops.single_dim_strategy import (
     _ShardingPlaceholder as ShardingPlaceholder,
 )
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+from torch.distributed.tensor.placement_types import Placement
 from torch.distributed.tensor.placement_types import _MaskPartial as MaskPartial
 
 # capture / lowering: tracing a DTensor program into a plain per-rank graph. make_fx is the
@@ -54,35 +76,160 @@ from torch.fx.experimental.proxy_tensor import make_fx
 # planning at scale and tests: the fake process group's store.
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+# measured memory (runtime/memory_stats.py): a dispatch mode that sees every op's outputs
+# (public only under this private module).
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# lowering: an op's (args, kwargs) flattened to leaves and rebuilt (torch 2.13 has no public
+# torch.utils.pytree).
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
 __all__ = [
+    "NO_STRATEGY_ERRORS",
     "DTensorSpec",
-    "DecompShardingStrategy",
     "FakeStore",
     "LocalTensorMode",
     "MaskPartial",
+    "OpOverload",
     "OpSchema",
     "OpSpec",
     "OpStrategy",
     "RuntimeSchemaInfo",
     "ShardingPlaceholder",
     "TensorMeta",
+    "TorchDispatchMode",
     "TupleStrategy",
     "aot_function",
+    "clear_sharding_cache",
+    "decomp_strategy",
     "default_inductor_cache_dir",
-    "dtensor_math_ops",
-    "dtensor_matrix_ops",
-    "dtensor_ops_utils",
-    "dtensor_tensor_ops",
-    "dtensor_view_ops",
+    "detect_fake_mode",
     "expand_to_full_mesh_op_strategy",
+    "is_collective_op",
+    "is_mask_partial",
+    "local_tensor",
     "make_boxed_func",
     "make_fx",
-    "sharding_propagator",
+    "no_dtensor_redistribute_costs",
+    "op_schema_info",
+    "op_strategy_func",
+    "register_op_strategy",
+    "single_dim_rule",
+    "tree_flatten",
+    "tree_unflatten",
 ]
 
+# ------------------------------------------------------------------ DTensor's registry
 
-def sharding_propagator():
-    """DTensor's global sharding propagator (holds the op-strategy registry)."""
-    from torch.distributed.tensor import DTensor
+# How DTensor's strategy functions say "no strategy for these arguments" (or for this op):
+# most `raise AssertionError(...)`, the view ops RuntimeError ("requires redistribution",
+# "unevenly sharded"), the math ops and mesh checks ValueError, the decomposition path
+# NotImplementedError. Anything else (TypeError, KeyError, IndexError, ...) is a bug in how
+# autopar called it, and propagates.
+NO_STRATEGY_ERRORS: tuple[type[Exception], ...] = (
+    AssertionError,
+    NotImplementedError,
+    RuntimeError,
+    ValueError,
+)
 
+
+def _propagator() -> Any:
     return DTensor._op_dispatcher.sharding_propagator
+
+
+def single_dim_rule(op: object) -> Callable[..., list] | None:
+    """DTensor's single-mesh-dim rule function of ``op`` (None: none registered).
+
+    Called as ``rule(op, args, kwargs)`` with ``TensorMeta`` in place of tensors, it returns
+    rules ``[out..., in...]`` for one mesh axis, ``ShardingPlaceholder(d)`` meaning
+    ``Shard(d)``; the all-Replicate rule is implied."""
+    return _propagator().op_single_dim_strategy_funcs.get(op)
+
+
+def op_strategy_func(op: object) -> Callable[[OpSchema], Any] | None:
+    """DTensor's op-strategy function of ``op`` (None: none registered): called with an
+    ``OpSchema`` whose tensor args are ``OpStrategy`` objects, it returns an ``OpStrategy``
+    (or ``TupleStrategy``)."""
+    return _propagator().op_strategy_funcs.get(op)
+
+
+def op_schema_info(op: object) -> RuntimeSchemaInfo | None:
+    """The ``RuntimeSchemaInfo`` registered with ``op``'s strategy function, if any."""
+    return _propagator().op_to_schema_info.get(op)
+
+
+def decomp_strategy(op: object, args: tuple, kwargs: dict) -> OpStrategy | None:
+    """DTensor's decomposition-based strategy for ``op`` on args whose tensors are
+    ``DTensorSpec``s: DTensor traces the op's decomposition once per single-axis input
+    placement. None when ``op`` has no decomposition (or no tensor argument); raises one of
+    :data:`NO_STRATEGY_ERRORS` when the propagation fails."""
+    if not isinstance(op, OpOverload) or not DecompShardingStrategy.has_decomp(op):
+        return None
+    decomp = _propagator().decomp_strategy
+    decomp.ensure_schema_info(op)
+    return decomp.propagate_strategy(OpSchema(op, args, kwargs))
+
+
+def register_op_strategy(
+    op: OpOverload, strategy: Callable[[OpSchema], OpStrategy], schema_info: RuntimeSchemaInfo
+) -> None:
+    """Make DTensor run ``op`` with ``strategy`` (replacing any it had), and forget cached
+    propagations so that the next dispatch sees it."""
+    _propagator().register_op_strategy(op, strategy, schema_info=schema_info)
+    clear_sharding_cache()
+
+
+def clear_sharding_cache() -> None:
+    """Forget DTensor's cached sharding propagations (they key on the op, not its rule)."""
+    _propagator().propagate_op_sharding.cache_clear()
+
+
+def _zero_costs(src_strategy: OpStrategy, dst_spec: DTensorSpec) -> list[float]:
+    return [0.0] * len(src_strategy.strategies)
+
+
+# The modules whose strategy functions call `generate_redistribute_costs` by its
+# module-level name (each imported it from `utils`, so each binding is patched).
+_COST_HOOK_MODULES = (_math_ops, _matrix_ops, _ops_utils, _tensor_ops, _view_ops)
+
+
+@contextlib.contextmanager
+def no_dtensor_redistribute_costs() -> Iterator[None]:
+    """Within the context, DTensor's strategy functions price no resharding (all zero).
+
+    They price every (input candidate, strategy) pair, which is quadratic in the candidates
+    and 95% of the enumeration's time on a 3-D mesh; autopar's search prices resharding
+    itself. The previous functions are restored on exit."""
+    saved = [(m, m.generate_redistribute_costs) for m in _COST_HOOK_MODULES]
+    try:
+        for m, _ in saved:
+            m.generate_redistribute_costs = _zero_costs
+        yield
+    finally:
+        for m, fn in saved:
+            m.generate_redistribute_costs = fn
+
+
+# ------------------------------------------------------------------ DTensor tensors
+
+
+def local_tensor(dt: DTensor) -> torch.Tensor:
+    """This rank's shard of ``dt`` as stored (no autograd node, unlike ``to_local()``)."""
+    return dt._local_tensor
+
+
+def is_mask_partial(p: Placement) -> bool:
+    """``p`` is DTensor's masked partial sum (the vocab-parallel embedding's output)."""
+    return isinstance(p, MaskPartial)
+
+
+# ------------------------------------------------------------------ collectives
+
+# the namespaces of torch.distributed's collective ops (functional ones in traced programs)
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d")
+
+
+def is_collective_op(func: object) -> bool:
+    """``func`` is a torch.distributed collective (its outputs are communication buffers)."""
+    return isinstance(func, OpOverload) and func.namespace in _COLLECTIVE_NAMESPACES

@@ -6,6 +6,9 @@ the cluster, and per node the placements its inputs must have and its outputs wi
 `MP` (the masked sum of a vocab-parallel embedding)). Parameters carry
 their storage placement (what each rank keeps between steps: `R` = replicated (DP), `S(d)`
 on a data axis = ZeRO-3/FSDP, `S(d)` on a tensor axis = Megatron TP).
+`fusion` is how the planned graph was fused ("none", "triton": `fused_regions` lists the
+regions swapped for autopar kernels, "inductor": the runtime hands each rank's program to
+torch.compile and no region is rewritten); the runtime reproduces it before lowering.
 `content_hash` covers everything but itself; every rank compares it with rank 0's before
 the first collective.
 """
@@ -20,7 +23,9 @@ from pathlib import Path
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-SCHEMA_VERSION = 1
+from autopar._compat import is_mask_partial
+
+SCHEMA_VERSION = 2  # 2: `fusion` is the mode, the regions are `fused_regions`
 
 Spec = tuple[Placement, ...]
 
@@ -31,7 +36,7 @@ def placement_str(p: Placement) -> str:
     if isinstance(p, Replicate):
         return "R"
     if p.is_partial():
-        if type(p).__name__ == "_MaskPartial":
+        if is_mask_partial(p):
             return "MP"  # vocab-parallel embedding's masked sum (rebuilt by DTensor itself)
         return "P" if getattr(p, "reduce_op", "sum") == "sum" else f"P({p.reduce_op})"
     raise ValueError(f"placement {p!r} has no plan encoding")
@@ -69,10 +74,11 @@ class NodePlan:
     args: tuple[str, ...] = ()  # the node or tensor producing each input, by name
     shapes: tuple[tuple[int, ...] | None, ...] = ()  # global shape per output
     dtypes: tuple[str | None, ...] = ()
-
-
-def _fused(raw: dict) -> dict:
-    return {**raw, "replaced": list(raw.get("replaced", ()))}
+    # per input, which output of a multi-output producer it reads (a getitem's index);
+    # empty when no input reads one
+    arg_outputs: tuple[int | None, ...] = ()
+    # positions of the inputs redistributed from their producer's spec (priced by the search)
+    reshards: tuple[int, ...] = ()
 
 
 def _node_plan(raw: dict) -> NodePlan:
@@ -85,8 +91,28 @@ def _node_plan(raw: dict) -> NodePlan:
             "args": tuple(raw.get("args", ())),
             "shapes": shapes,
             "dtypes": tuple(raw.get("dtypes", ())),
+            "arg_outputs": tuple(raw.get("arg_outputs", ())),
+            "reshards": tuple(raw.get("reshards", ())),
         }
     )
+
+
+FUSION_MODES = ("none", "triton", "inductor")
+
+
+@dataclass(frozen=True, slots=True)
+class FusedRegion:
+    """One region the fusion pass swapped for a kernel call: the kernel
+    (``autopar::<kernel>``), the fused node's name and the names of the nodes it replaced,
+    in graph order."""
+
+    kernel: str
+    node: str
+    replaced: tuple[str, ...]
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> FusedRegion:
+        return cls(str(raw["kernel"]), str(raw["node"]), tuple(raw["replaced"]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,8 +182,17 @@ class Plan:
     predicted_peak_memory: float
     solver: dict = field(default_factory=dict)
     pipeline: PipelinePlan | None = None
-    fusion: tuple[dict, ...] = ()  # fused regions: {"kernel", "node", "replaced"}
+    fusion: str = "none"  # one of FUSION_MODES
+    fused_regions: tuple[FusedRegion, ...] = ()  # with fusion="triton"
     schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if self.fusion not in FUSION_MODES or (self.fused_regions and self.fusion != "triton"):
+            raise ValueError(
+                f"plan fusion={self.fusion!r} with {len(self.fused_regions)} fused regions: "
+                f"the mode is one of {', '.join(FUSION_MODES)}, regions only with 'triton'; "
+                "re-plan with `autopar plan`."
+            )
 
     # ---- lookups -------------------------------------------------------------------
     @property
@@ -208,9 +243,14 @@ class Plan:
     def from_dict(cls, data: dict) -> Plan:
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
+            older = (
+                " (an older autopar's plan: version 1 recorded fusion as a list of regions)"
+                if isinstance(version, int) and version < SCHEMA_VERSION
+                else ""
+            )
             raise ValueError(
                 f"plan schema version {version} is not supported by this autopar "
-                f"(expects {SCHEMA_VERSION}); re-plan with `autopar plan`."
+                f"(expects {SCHEMA_VERSION}){older}; re-plan with `autopar plan`."
             )
         data = dict(data)
         stored_hash = data.pop("content_hash", None)
@@ -224,7 +264,8 @@ class Plan:
             predicted_peak_memory=data["predicted_peak_memory"],
             solver=data.get("solver", {}),
             pipeline=PipelinePlan.from_dict(data["pipeline"]) if data.get("pipeline") else None,
-            fusion=tuple(_fused(r) for r in data.get("fusion", ())),
+            fusion=data.get("fusion", "none"),
+            fused_regions=tuple(FusedRegion.from_dict(r) for r in data.get("fused_regions", ())),
         )
         if stored_hash is not None and stored_hash != plan.content_hash:
             raise ValueError(
@@ -254,14 +295,3 @@ class Plan:
 
     def with_solver(self, **info) -> Plan:
         return replace(self, solver={**self.solver, **info})
-
-    # ---- human views -----------------------------------------------------------------
-    def describe(self) -> dict:
-        from autopar.plan_views import describe
-
-        return describe(self)
-
-    def summary(self) -> str:
-        from autopar.plan_views import summary
-
-        return summary(self)

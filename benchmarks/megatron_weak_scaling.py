@@ -28,8 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autopar  # noqa: E402
-from autopar.api import _fake_group  # noqa: E402
 from autopar.cluster import Cluster  # noqa: E402
+from autopar.planning import fake_group  # noqa: E402
 from autopar.search.layouts import Layout, _Pricer, search_layout  # noqa: E402
 from autopar.search.pins import SearchOptions  # noqa: E402
 from samples import get_sample  # noqa: E402
@@ -63,7 +63,7 @@ def run_row(row: str) -> dict:
     model = sample.build(f"megatron-{row}", device="meta")
     inputs = sample.example_batch(model, batch, device="meta")
     options = SearchOptions(shard_optimizer=True)
-    with _fake_group(world):
+    with fake_group(world):
         t0 = time.perf_counter()
         ours = search_layout(model, inputs, cluster, options)
         search_s = time.perf_counter() - t0

@@ -1,5 +1,10 @@
 """Sample models for autopar: a registry of buildable models with example batches.
 
+Each ``samples/<name>.py`` follows the model protocol the CLI reads (``build(config)``,
+``example_batch(model, batch_size)``, ``CONFIGS``; see ``autopar.cli.sources``): the CLI loads
+the file by path (``autopar plan gpt``), so this package is for scripts and tests run from
+the repository root; it is not installed with autopar.
+
 ``SAMPLES[name]`` is a :class:`Sample`. Every model's ``forward(*batch)`` returns a scalar
 loss, so the whole training step is one graph::
 
@@ -52,9 +57,9 @@ class Sample:
 
 
 SAMPLES: dict[str, Sample] = {
-    "gpt": Sample("gpt", gpt.build, gpt.example_batch, tuple(gpt.GPT_CONFIGS)),
-    "llama": Sample("llama", llama.build, llama.example_batch, tuple(llama.LLAMA_CONFIGS)),
-    "mlp": Sample("mlp", mlp.build, mlp.example_batch, tuple(mlp.MLP_CONFIGS)),
+    "gpt": Sample("gpt", gpt.build, gpt.example_batch, gpt.CONFIGS),
+    "llama": Sample("llama", llama.build, llama.example_batch, llama.CONFIGS),
+    "mlp": Sample("mlp", mlp.build, mlp.example_batch, mlp.CONFIGS),
 }
 
 

@@ -103,6 +103,8 @@ GPT_CONFIGS.update(
         for size, (hidden, layers, heads) in MEGATRON_SHAPES.items()
     }
 )
+# the config names `build` accepts (the model protocol of `autopar.cli.sources`)
+CONFIGS = tuple(GPT_CONFIGS)
 
 
 class CausalSelfAttention(nn.Module):

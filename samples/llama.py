@@ -78,6 +78,8 @@ LLAMA_CONFIGS: dict[str, LlamaConfig] = {
     "llama3-8b": LlamaConfig(_LLAMA3_VOCAB, 8192, 32, 4096, 32, 8, 14336),
     "llama3-70b": LlamaConfig(_LLAMA3_VOCAB, 8192, 80, 8192, 64, 8, 28672),
 }
+# the config names `build` accepts (the model protocol of `autopar.cli.sources`)
+CONFIGS = tuple(LLAMA_CONFIGS)
 
 
 class RMSNorm(nn.Module):

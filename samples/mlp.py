@@ -50,6 +50,8 @@ MLP_CONFIGS: dict[str, MLPConfig] = {
     # ~218M parameters: 1024 -> 8192 -> 8192 -> 8192 -> 8192 -> 1024
     "large": MLPConfig(in_dim=1024, hidden_dim=8192, out_dim=1024, n_hidden_layers=4),
 }
+# the config names `build` accepts (the model protocol of `autopar.cli.sources`)
+CONFIGS = tuple(MLP_CONFIGS)
 
 
 class MLP(nn.Module):

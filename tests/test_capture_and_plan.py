@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 from torch import nn
 
 import autopar
-from autopar.api import check_plan_matches
 from autopar.capture import CaptureError, capture
 from autopar.cluster import Cluster
+from autopar.options import PlanOptions
 from autopar.plan import Plan
+from autopar.planning import check_plan_matches
+from autopar.views import describe, summary
 from samples import get_sample
 
 
@@ -93,7 +96,8 @@ def test_plan_json_round_trips_exactly(gpt_plan: Plan, tmp_path) -> None:
     loaded = Plan.load(path)
     assert loaded == gpt_plan and loaded.content_hash == gpt_plan.content_hash
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 1 and data["graph_fingerprint"] == gpt_plan.graph_fingerprint
+    assert data["schema_version"] == 2 and data["graph_fingerprint"] == gpt_plan.graph_fingerprint
+    assert data["fusion"] == "none" and data["fused_regions"] == []
 
 
 def test_edited_plan_is_rejected(gpt_plan: Plan) -> None:
@@ -107,13 +111,24 @@ def test_edited_plan_is_rejected(gpt_plan: Plan) -> None:
         Plan.from_dict(data)
 
 
+def test_version_1_plan_asks_for_a_new_plan(gpt_plan: Plan) -> None:
+    """Version 1 recorded fusion as a list of regions ("*" for inductor)."""
+    data = gpt_plan.to_dict()
+    del data["fused_regions"]
+    data.update(schema_version=1, fusion=[{"kernel": "inductor", "node": "*", "replaced": []}])
+    with pytest.raises(ValueError, match=r"schema version 1 .*older autopar.*re-plan"):
+        Plan.from_dict(data)
+    with pytest.raises(ValueError, match="fusion='xla'"):
+        replace(gpt_plan, fusion="xla")
+
+
 def test_describe_and_summary(gpt_plan: Plan) -> None:
-    d = gpt_plan.describe()
+    d = describe(gpt_plan)
     json.dumps(d)
     stage = d["stages"][0]
     assert stage["mesh"] == [2, 2] and set(stage["axis_roles"]) == {"dp", "tp"}
     assert d["predicted_step_time"] > 0 and d["predicted_peak_memory"] > 0
-    assert "mesh (2, 2)" in gpt_plan.summary()
+    assert "mesh (2, 2)" in summary(gpt_plan)
 
 
 def test_plan_for_another_model_or_mesh_is_rejected(gpt_plan: Plan) -> None:
@@ -149,3 +164,72 @@ def test_fingerprint_does_not_depend_on_the_device(name: str) -> None:
         model = sample.build("tiny", device=device)
         prints.append(capture(model, sample.example_batch(model, 8, device=device)).fingerprint)
     assert prints[0] == prints[1]
+
+
+class _CountsForwards(nn.Module):
+    """A model whose forward must not run: capture would call it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        raise RuntimeError("forward ran: the model was captured")
+
+
+BAD_OPTIONS = [
+    ({"fusion": "xla"}, "fusion='xla': choose one of none, triton, inductor"),
+    ({"schedule": "zigzag"}, "schedule='zigzag': choose one of gpipe, 1f1b"),
+    ({"microbatches": 0}, "microbatches=0: give a count >= 1"),
+    ({"pipeline_stages": 0}, "pipeline_stages=0: give a number of stages"),
+    ({"pipeline_stages": "many"}, "pipeline_stages='many'"),
+    ({"time_limit_s": 0}, r"time_limit_s=0: give the solver's time limit in seconds \(> 0\)"),
+    ({"memory_limit": -1.0}, "memory_limit=-1.0: give bytes per device"),
+    ({"stage_cuts": (0, 2, 1)}, "stage_cuts=.*starting at 0 and increasing"),
+    ({"stage_cuts": (1, 2)}, "stage_cuts=.*starting at 0"),
+    ({"strategy": "zero"}, "unknown strategy 'zero'; choose from auto, dp, fsdp, tp"),
+    ({"placements": {"lin.weight": "X"}}, r"placements\['lin.weight'\] = 'X'"),
+    ({"shard_optimizer": "yes"}, "shard_optimizer='yes'"),
+    (
+        {"pipeline_stages": "auto", "strategy": ("dp", "tp")},
+        "pipeline_stages='auto' chooses the mesh",
+    ),
+    ({"pipeline_stages": "auto", "stage_cuts": (0, 1)}, "stage_cuts pins the stages"),
+    # checked against the cluster, still before capture
+    ({"strategy": ("dp", "tp")}, "names 2 axis roles but the mesh has 1"),
+    ({"pipeline_stages": 2, "schedule": "1f1b", "stage_cuts": (0,)}, "stage_cuts has 1 entries"),
+    ({"pipeline_stages": 2, "microbatches": 3}, "do not split into microbatches=3"),
+    ({"pipeline_stages": 3}, "pipeline_stages=3 does not divide the first mesh axis"),
+]
+
+
+@pytest.mark.parametrize(("options", "match"), BAD_OPTIONS, ids=[m for _, m in BAD_OPTIONS])
+def test_bad_option_fails_before_capture(options: dict, match: str) -> None:
+    model = _CountsForwards()
+    batch = (torch.randn(4, 4),)
+    with pytest.raises(ValueError, match=match) as info:
+        autopar.plan(model, batch, cluster=Cluster.preset("cpu", mesh=(2,)), **options)
+    assert type(info.value) is ValueError  # not a CaptureError: nothing was captured
+    assert model.calls == 0
+
+
+def test_compile_checks_options_before_anything() -> None:
+    """No process group runs here: the option error still comes first."""
+    model = _CountsForwards()
+    with pytest.raises(ValueError, match="fusion='xla'"):
+        autopar.compile(model, (torch.randn(4, 4),), cluster=Cluster.preset("cpu"), fusion="xla")
+    with pytest.raises(RuntimeError, match="needs a process group"):
+        autopar.compile(model, (torch.randn(4, 4),), cluster=Cluster.preset("cpu"))
+    assert model.calls == 0
+
+
+def test_options_are_frozen_and_normalized() -> None:
+    placements = {"lin.weight": "S(0)"}
+    options = PlanOptions(strategy=["dp", "tp"], placements=placements, stage_cuts=[0, 2])
+    placements["lin.bias"] = "R"  # the caller's dict is copied
+    assert options.strategy == ("dp", "tp") and options.stage_cuts == (0, 2)
+    assert options.placements == {"lin.weight": "S(0)"}
+    with pytest.raises(AttributeError):
+        options.fusion = "triton"  # type: ignore[misc]

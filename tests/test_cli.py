@@ -1,18 +1,33 @@
-"""The `autopar` command line: plan, inspect, bench (in process), run (one torchrun job)."""
+"""The `autopar` command line: plan, inspect, bench (in process), run (one torchrun job),
+and the models it takes (samples by name, module:factory, path/to/file.py:factory)."""
 
 from __future__ import annotations
 
 import csv
+import math
+import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
-from autopar.cli import app, edge_collectives, group_layers, timeline_lines
+from autopar.cli import app
+from autopar.cli.sources import load_model
 from autopar.plan import Plan
+from autopar.views import (
+    BenchRow,
+    bench_table,
+    describe,
+    edge_collectives,
+    group_layers,
+    timeline_lines,
+    write_bench_csv,
+)
 
 runner = CliRunner()
 TINY_CPU = ["gpt", "--cluster", "cpu", "--mesh", "4"]
@@ -78,7 +93,7 @@ def test_inspect_pipelined_plan_shows_stages_and_timeline(pp_plan_file: Path) ->
     header = re.search(r"┃ stage ┃ pipeline rank ┃ devices ┃ layers\s+┃ count ┃", out)
     assert header is not None, out
     rows = re.findall(r"^│\s+(\d+) │ (\d+)\s+│ (\S+)\s+│ (\S+)\s+│\s+(\d+) │$", out, re.M)
-    stages = plan.describe()["stages"]
+    stages = describe(plan)["stages"]
     assert rows == [
         (
             str(st["stage"]),
@@ -129,15 +144,52 @@ def test_bench_table_and_csv(tmp_path: Path) -> None:
     out = invoke("bench", *TINY_CPU, "--csv", str(path))
     rows = list(csv.DictReader(path.open()))
     assert [r["strategy"] for r in rows] == ["auto", "dp", "fsdp", "tp"]
-    assert float(rows[0]["ratio_vs_auto"]) == pytest.approx(1.0)
+    assert all(r["error"] == "" for r in rows), rows  # every strategy fits the tiny GPT
+    auto = float(rows[0]["predicted_step_time_s"])
     for r in rows:
-        assert r["error"] or (r["strategy"] in out and float(r["predicted_step_time_s"]) > 0)
+        step = float(r["predicted_step_time_s"])
+        assert step > 0 and float(r["predicted_peak_memory_bytes"]) > 0, r
+        assert float(r["ratio_vs_auto"]) == pytest.approx(step / auto), r
+        # the search considers every forced plan, so none is predicted faster than its pick
+        assert step >= auto * (1 - 1e-6), r
+        assert re.search(rf"│ {r['strategy']}\s+│ {re.escape(r['axis_roles'])}\s+│", out), out
+    forced = {r["strategy"]: r["axis_roles"] for r in rows[1:]}
+    assert forced == {"dp": "axis0=dp", "fsdp": "axis0=fsdp", "tp": "axis0=tp"}
+
+
+def test_bench_rows_with_errors() -> None:
+    """A strategy the search refuses is reported, not priced: blank in the CSV, absent from
+    the table, and no ratio against a failed "auto"."""
+    ok, bad = BenchRow("dp", "dp=dp", 2e-3, 1024.0), BenchRow("tp", error="does not fit")
+    table = bench_table([ok, bad], 1e-3, "t")
+    assert table.row_count == 1 and ok.ratio(1e-3) == pytest.approx(2.0)
+    assert math.isnan(ok.ratio(math.nan)) and math.isnan(bad.ratio(1e-3))
+
+
+def test_bench_csv_with_errors(tmp_path: Path) -> None:
+    path = tmp_path / "bench.csv"
+    rows = [BenchRow("auto", error="infeasible"), BenchRow("dp", "dp=dp", 2e-3, 1024.0)]
+    write_bench_csv(path, rows, math.nan)
+    got = list(csv.DictReader(path.open()))
+    assert got[0] == {
+        "strategy": "auto",
+        "axis_roles": "",
+        "predicted_step_time_s": "",
+        "predicted_peak_memory_bytes": "",
+        "ratio_vs_auto": "",
+        "error": "infeasible",
+    }
+    assert got[1]["predicted_step_time_s"] == "0.002" and got[1]["ratio_vs_auto"] == ""
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["plan", "nope"], "unknown sample 'nope'; known samples: gpt, llama, mlp"),
+        (["plan", "nope"], "module:factory"),
+        (["plan", "no_such_module_xyz:build"], "cannot import no_such_module_xyz"),
+        (["plan", "missing/model.py:build"], "no such file missing/model.py"),
+        (["plan", "gpt.py:"], "is not a model source"),
         (["plan", "gpt", "--config", "huge"], "unknown config 'huge' for sample 'gpt'"),
         (["plan", "gpt", "--cluster", "tpu"], "unknown cluster preset 'tpu'"),
         (["plan", *TINY_CPU[:-1], "2xq"], "--mesh '2xq' is not a mesh"),
@@ -163,6 +215,109 @@ def test_bad_input_is_one_line(args: list[str], message: str) -> None:
     out = invoke(*args, code=2)
     assert message in out
     assert len(out.strip().splitlines()) == 1
+
+
+USER_MODEL = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    CONFIGS = ("narrow", "wide")
+
+
+    class Regressor(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(16, width), nn.GELU(), nn.Linear(width, 16))
+
+        def forward(self, x, y):
+            return nn.functional.mse_loss(self.net(x), y)
+
+
+    def make(config="narrow"):
+        return Regressor(64 if config == "wide" else 32)
+
+
+    def example_batch(model, batch_size):
+        return torch.randn(batch_size, 16), torch.randn(batch_size, 16)
+    """
+)
+
+
+@pytest.fixture
+def user_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A directory holding `regressor.py` (a model module), as the current directory."""
+    (tmp_path / "regressor.py").write_text(USER_MODEL)
+    (tmp_path / "no_batch.py").write_text(
+        "from torch import nn\n\ndef make():\n    return nn.Linear(2, 2)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the loader adds the cwd for module:factory
+    return tmp_path
+
+
+@pytest.mark.parametrize("form", ["file", "module"])
+def test_plan_any_model_by_factory(user_dir: Path, form: str) -> None:
+    model = str(user_dir / "regressor.py") + ":make" if form == "file" else "regressor:make"
+    path = user_dir / "plan.json"
+    out = invoke(
+        "plan", model, "--config", "wide", "--cluster", "cpu", "--mesh", "2", "-o", str(path)
+    )
+    assert out.startswith("autopar plan ") and f"wrote {path}" in out
+    plan = Plan.load(path)
+    shapes = {t.fqn: t.shape for t in plan.tensors if t.kind == "param"}
+    assert shapes["net.0.weight"] == (64, 16)  # "wide" reached the factory
+    assert {t.fqn: t.shape for t in plan.tensors if t.kind == "input"} == {
+        "x": (8, 16),
+        "y": (8, 16),
+    }
+
+
+def test_model_protocol_errors(user_dir: Path) -> None:
+    out = invoke("plan", "regressor:make", "--config", "huge", code=2)
+    assert "unknown config 'huge' for 'regressor:make'; known: narrow, wide" in out
+    out = invoke("plan", "no_batch.py:make", code=2)
+    assert "no_batch.py defines no function example_batch()" in out
+    out = invoke("plan", "regressor.py:build", code=2)
+    assert "regressor.py defines no function build()" in out
+    # sample names resolve beside the autopar package when the cwd has no samples/
+    out = invoke("plan", "nope", code=2)
+    assert "known samples: gpt, llama, mlp" in out
+
+
+def test_load_model_meta_and_real(user_dir: Path) -> None:
+    model, batch = load_model("regressor.py:make", None, 4, meta=True)
+    assert all(p.is_meta for p in model.parameters()) and all(t.is_meta for t in batch)
+    m1, b1 = load_model("regressor.py:make", "narrow", 4, seed=1)
+    m2, b2 = load_model("regressor.py:make", "narrow", 4, seed=1)
+    assert not any(p.is_meta for p in m1.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(b1, b2, strict=True))
+    for (k1, v1), (k2, v2) in zip(m1.state_dict().items(), m2.state_dict().items(), strict=True):
+        assert k1 == k2 and torch.equal(v1, v2), k1
+    assert torch.isfinite(m1(*b1))
+
+
+def _python(code: str, cwd: Path) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, check=True
+    )
+    return proc.stdout.strip()
+
+
+def test_samples_load_by_path_and_are_not_installed(tmp_path: Path) -> None:
+    """Outside the checkout no `samples` package is importable (autopar does not install
+    one), and loading a sample by name imports none."""
+    assert (
+        _python("import importlib.util; print(importlib.util.find_spec('samples'))", tmp_path)
+        == "None"
+    )
+    code = (
+        "import sys; from autopar.cli.sources import load_model; "
+        "m, b = load_model('mlp', 'tiny', 2); "
+        "print(type(m).__name__, [tuple(t.shape) for t in b], 'samples' in sys.modules)"
+    )
+    assert _python(code, tmp_path) == "MLP [(2, 32), (2, 32)] False"
 
 
 @pytest.mark.multiproc

@@ -172,13 +172,60 @@ def test_local_shape_and_numel() -> None:
 
 
 def test_param_state_bytes() -> None:
-    assert memory.param_state_bytes(1000, 4) == 16000  # param + grad + exp_avg + exp_avg_sq
-    assert memory.param_state_bytes(1000, 2, "sgd") == 4000
-    assert memory.param_state_bytes(1000, 2, "adamw", requires_grad=False) == 2000
+    f32, bf16 = torch.float32, torch.bfloat16
+    # fp32 AdamW: param + grad + exp_avg + exp_avg_sq, 4 bytes each
+    assert memory.param_state_bytes((1000,), f32, (R,), (2,), optimizer="adamw") == 16000
+    assert memory.param_state_bytes((1000,), f32, (R,), (2,), optimizer="sgd") == 8000
+    # bf16 is trained in mixed precision: bf16 param + grad, fp32 master + 2 fp32 states
+    assert memory.param_state_bytes((1000,), bf16, (R,), (2,)) == 1000 * (2 + 2 + 4 * 3)
+    assert memory.param_state_bytes((1000,), bf16, (R,), (2,), optimizer="sgd") == 1000 * 8
+    # not trained (a buffer or an input): the tensor alone
+    assert memory.param_state_bytes((1000,), bf16, (R,), (2,), trained=False) == 2000
+    # the local shard counts: Shard(0) over 4 devices holds ceil(1001 / 4) = 251 rows
+    assert memory.param_state_bytes((1001, 2), f32, (S0, R), (4, 2)) == 251 * 2 * 16
+    # ZeRO-1: master and states split over the devices holding the same shard
+    assert memory.replicas((S0, R), (4, 2)) == 2 and memory.replicas((R, R), (4, 2)) == 8
+    assert memory.param_state_bytes(
+        (1000, 2), bf16, (R, R), (4, 2), shard_optimizer=True
+    ) == 2000 * (4 + 12 / 8)
+    assert memory.param_state_bytes(
+        (1000, 2), f32, (S0, R), (4, 2), shard_optimizer=True
+    ) == 500 * (8 + 8 / 2)
+    assert memory.param_state_bytes((1000, 2), f32, (S0, S1), (4, 2), shard_optimizer=True) == (
+        250 * 16  # no replicas: nothing left to split
+    )
     with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
-        memory.param_state_bytes(1, 4, "lion")
+        memory.param_state_bytes((1,), f32, (R,), (2,), optimizer="lion")
     assert memory.activation_bytes((8, 16), 2, (S0, R), (4, 2)) == 2 * 16 * 2
     assert memory.activation_bytes((8, 16), 2, None, (4, 2)) == 8 * 16 * 2
+
+
+def test_search_prices_memory_with_the_memory_model() -> None:
+    """The search's per-node memory is the memory model's formulas, nothing else."""
+    from autopar.capture import capture
+    from autopar.passes.strategies import NodeStrategy
+    from autopar.search.costs import CostContext
+
+    captured = capture(nn.Linear(24, 40), (torch.randn(12, 24),), loss_fn=lambda y: y.sum())
+    cluster = Cluster.preset("cpu", mesh=(2, 2), axis_names=("a", "b"))
+    ctx = CostContext(cluster, optimizer_states=1, shard_optimizer=True)
+    nodes = {n.name: n for n in captured.gm.graph.nodes}
+    by_fqn = {fqn: name for name, fqn in captured.params.items()}
+    weight, x = nodes[by_fqn["weight"]], nodes[next(iter(captured.user_inputs))]
+    addmm = next(n for n in nodes.values() if n.target == torch.ops.aten.addmm.default)
+    for spec in [(R, R), (S0, R), (R, S1), (S0, S1)]:
+        expected = memory.param_state_bytes(
+            (40, 24), torch.float32, spec, (2, 2), optimizer=1, shard_optimizer=True
+        )
+        assert ctx.node_memory(weight, NodeStrategy((), (spec,))) == expected
+        assert expected == 40 * 24 * (8 + 4 / memory.replicas(spec, (2, 2))) / (
+            4 // memory.replicas(spec, (2, 2))
+        )
+    # a user input is not trained: its bytes only
+    assert ctx.node_memory(x, NodeStrategy((), ((S0, R),))) == 6 * 24 * 4
+    # an activation: the local bytes of its output
+    out = NodeStrategy(((R, R), (S0, R), (R, R)), ((S0, R),))
+    assert ctx.node_memory(addmm, out) == memory.activation_bytes((12, 40), 4, (S0, R), (2, 2))
 
 
 # --------------------------------------------------------------------------- compute

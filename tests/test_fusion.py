@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Iterator
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -25,16 +26,17 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
+import autopar
 from autopar import kernels
 from autopar._compat import FakeStore, LocalTensorMode
 from autopar.capture import Captured, capture
 from autopar.cluster import Cluster
 from autopar.passes import fusion
-from autopar.passes.fusion import FusedRegion, fuse_regions
+from autopar.passes.fusion import fuse_regions
 from autopar.passes.lower import lower_plan
 from autopar.passes.strategies import node_strategies
 from autopar.passes.strategies.rules.fused import ELEMENTWISE, ROLES, ROW
-from autopar.plan import parse_spec
+from autopar.plan import FusedRegion, Plan, parse_spec
 from autopar.runtime.shards import local_chunk
 from autopar.search.intra_op import search_plan
 from autopar.search.pins import SearchOptions
@@ -246,7 +248,17 @@ def test_none_and_unavailable(
     with pytest.raises(ValueError, match="kernels="):
         fuse_regions(captured, kernels="cuda")
     r = gpt.regions[0]
-    assert FusedRegion.from_dict(r.to_dict()) == r
+    assert FusedRegion.from_dict(asdict(r)) == r
+
+
+def test_plan_records_the_mode_and_the_regions(gpt: Case, tmp_path) -> None:
+    cluster = Cluster.preset("cpu", mesh=(2,), axis_names=("dp",))
+    plan = autopar.plan(gpt.model, gpt.batch, cluster=cluster, strategy="dp", fusion="triton")
+    assert plan.fusion == "triton" and plan.fused_regions == tuple(gpt.regions)
+    assert plan.graph_fingerprint == gpt.fused.fingerprint
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert Plan.load(path) == plan
 
 
 # ---------------------------------------------------------------- (b) same numbers

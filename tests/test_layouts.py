@@ -15,12 +15,12 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-from autopar.api import _fake_group
 from autopar.capture import capture
 from autopar.capture.export import layer_of
 from autopar.capture.template import capture_template
 from autopar.cluster import Cluster
 from autopar.passes.strategies import NodeStrategy
+from autopar.planning import fake_group
 from autopar.search.costs import CostContext, CostWeights
 from autopar.search.intra_op import solve_intra
 from autopar.search.layouts import Layout, _Pricer, candidate_layouts, search_layout
@@ -57,7 +57,7 @@ def test_block_weights_belong_to_their_block() -> None:
 def test_template_prices_like_the_full_graph() -> None:
     model, batch = _meta_gpt("gpt2-124m", 16)
     cluster = Cluster.preset("dgx-h100", nodes=1)
-    with _fake_group(cluster.world_size):
+    with fake_group(cluster.world_size):
         mesh = init_device_mesh("cpu", cluster.mesh_shape, mesh_dim_names=cluster.axis_names)
         full = solve_intra(capture(model, batch), cluster, mesh)
         tpl = capture_template(model, batch)
@@ -103,7 +103,7 @@ def test_megatron_1_7b_row_fits_and_matches_megatron() -> None:
     model, batch = _meta_gpt("megatron-1.7b", 192)
     cluster = Cluster.preset("dgx-h100", nodes=6)
     options = SearchOptions(shard_optimizer=True)
-    with _fake_group(cluster.world_size):
+    with fake_group(cluster.world_size):
         found = search_layout(model, batch, cluster, options)
         megatron, _, _ = _Pricer(model, batch, cluster, options, None).price(
             Layout(pp=1, dp=48, tp=1, microbatches=1), None

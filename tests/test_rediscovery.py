@@ -16,7 +16,7 @@ import torch
 
 import autopar
 from autopar.cluster import Cluster
-from autopar.plan_views import axis_roles
+from autopar.views import axis_roles, summary
 from samples import get_sample
 from samples.llama import Llama, LlamaConfig, example_batch
 
@@ -33,7 +33,7 @@ def test_small_model_ample_memory_gives_dp() -> None:
     assert axis_roles(plan) == ["dp"]
     params = [t for t in plan.tensors if t.kind == "param"]
     replicated = sum(t.spec == "R" for t in params)
-    assert replicated >= len(params) - 1, plan.summary()  # the tied embedding may be sharded
+    assert replicated >= len(params) - 1, summary(plan)  # the tied embedding may be sharded
 
 
 def test_states_exceeding_a_device_give_fsdp() -> None:
@@ -42,7 +42,7 @@ def test_states_exceeding_a_device_give_fsdp() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     assert n_params * 16 > cluster.device.memory_bytes  # DP cannot fit
     plan = autopar.plan(model, batch, cluster=cluster)
-    assert axis_roles(plan) == ["fsdp"], plan.summary()
+    assert axis_roles(plan) == ["fsdp"], summary(plan)
     assert plan.predicted_peak_memory <= cluster.device.memory_bytes
     dp = None
     try:
@@ -68,7 +68,7 @@ def test_large_hidden_gives_megatron_pairing_on_the_fast_axis() -> None:
     cluster = Cluster.preset("dgx-h100", nodes=2, axis_names=("node", "gpu"))
     plan = autopar.plan(model, batch, cluster=cluster)
     roles = axis_roles(plan)
-    assert roles[1].startswith("tp") and not roles[0].startswith("tp"), plan.summary()
+    assert roles[1].startswith("tp") and not roles[0].startswith("tp"), summary(plan)
     spec = {t.fqn: t.spec.split(",")[1] for t in plan.tensors if t.kind == "param"}
     for i in range(cfg.n_layers):
         column = [f"layers.{i}.attention.w{x}.weight" for x in "qkv"]

@@ -7,13 +7,12 @@ import traceback
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import autopar
+from autopar.cli.sources import load_model
 from autopar.testing.parity import _free_port
-from samples import get_sample
 
 
 def _spawn(fn, world: int, tmp_path: Path) -> list[str]:
@@ -33,10 +32,7 @@ def _entry(rank: int, fn, world: int, port: int, out: str) -> None:
 
 
 def _gpt():
-    sample = get_sample("gpt")
-    torch.manual_seed(0)
-    model = sample.build("tiny")
-    return model, sample.example_batch(model, 8)
+    return load_model("gpt", "tiny", 8)
 
 
 def _program_and_saved_plan(rank: int, out: Path) -> str:

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
+from autopar.cli.sources import import_source, load_model, resolve_source
 from samples import SAMPLES, Sample, get_sample
 from samples.gpt import GPT
 from samples.llama import Llama
 
 BATCH = 8
 NAMES = sorted(SAMPLES)
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
 
 
 @pytest.fixture(params=NAMES)
@@ -63,6 +57,24 @@ def test_deterministic(sample: Sample) -> None:
     # the config (or its name) works in place of the model
     b4 = sample.example_batch("tiny", BATCH, 3)
     assert all(torch.equal(x, y) for x, y in zip(b1, b4, strict=True))
+
+
+def test_loaded_by_path_like_the_registry(sample: Sample) -> None:
+    """The CLI's loader (the file by path, `build`/`example_batch`/`CONFIGS`) builds the
+    registry's model and batch, and plans on meta exactly as the samples' own meta path."""
+    model, batch = _tiny(sample)
+    loaded, loaded_batch = load_model(sample.name, "tiny", BATCH)
+    assert type(loaded).__name__ == type(model).__name__
+    assert type(loaded) is not type(model)  # its own module, not `samples.<name>`
+    for (k1, v1), (k2, v2) in zip(
+        model.state_dict().items(), loaded.state_dict().items(), strict=True
+    ):
+        assert k1 == k2 and torch.equal(v1, v2), k1
+    assert all(torch.equal(x, y) for x, y in zip(batch, loaded_batch, strict=True))
+    meta, meta_batch = load_model(sample.name, None, BATCH, meta=True)
+    assert all(p.is_meta for p in meta.parameters()) and all(t.is_meta for t in meta_batch)
+    assert [tuple(t.shape) for t in meta_batch] == [tuple(t.shape) for t in batch]
+    assert import_source(resolve_source(sample.name)).CONFIGS == sample.configs
 
 
 def test_export_matches_eager(sample: Sample) -> None:
@@ -119,11 +131,7 @@ def test_llama_meta_then_materialize() -> None:
 def test_big_configs_on_meta(name: str, config: str, lo: float, hi: float) -> None:
     sample = SAMPLES[name]
     assert config in sample.configs
-    rss0, t0 = _rss_bytes(), time.perf_counter()
     model = sample.build(config, device="meta")
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 5.0
-    assert _rss_bytes() - rss0 < 256 * 2**20
     assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
     n_params = sum(p.numel() for p in model.parameters())
     assert lo < n_params < hi, n_params

@@ -1,5 +1,8 @@
 """Memory cost model: bytes per device of tensors, parameters and optimizer state.
 
+The search (``autopar.search.costs``) prices every node's memory with these formulas; there
+is no other memory model.
+
 Local shapes
 ------------
 A spec is one DTensor placement per mesh axis. Axes apply in mesh order (DTensor's default
@@ -10,12 +13,22 @@ the full size: a partial tensor is full-size on every device.
 
 Training state (``param_state_bytes``)
 --------------------------------------
-``bytes = numel * itemsize * (1 + grad + states)``: the parameter, its gradient (same dtype)
-and the optimizer state tensors, which PyTorch's optimizers keep in the parameter's dtype:
-AdamW/Adam ``exp_avg`` + ``exp_avg_sq`` (2), SGD with momentum / Adagrad / RMSprop (1),
-plain SGD (0). ``numel`` is the *local* numel, so ZeRO/FSDP sharding is accounted for by the
-caller passing ``local_numel(shape, spec, mesh_shape)``. Mixed-precision fp32 master weights
-are not modelled (plans keep one dtype per parameter).
+``bytes = local_numel * per_element`` with, for a tensor of itemsize ``b`` and ``k``
+optimizer states (``OPTIMIZER_STATES``: AdamW/Adam 2, SGD with momentum / Adagrad /
+RMSprop 1, plain SGD 0):
+
+* not trained (buffer, input): ``b``;
+* fp32 (any dtype not bf16/fp16) parameter: ``2b + k*b`` (parameter, gradient, states in
+  the parameter's dtype, as PyTorch's optimizers keep them);
+* bf16/fp16 parameter, trained in mixed precision as Megatron and torchtitan do:
+  ``2b + 4*(1 + k)`` (parameter and gradient in its own dtype, an fp32 master copy and fp32
+  states).
+
+With ``shard_optimizer`` (ZeRO-1, Megatron's distributed optimizer) the master copy and
+states (the ``k*b`` or ``4*(1 + k)`` term) are divided by ``replicas``, the number of
+devices holding the same shard (product of the sizes of the mesh axes on which the spec
+is ``Replicate``), at no extra time: reduce-scatter + all-gather moves what the gradient
+all-reduce already does.
 
 Activations
 -----------
@@ -32,14 +45,17 @@ from typing import Any
 import torch
 
 __all__ = [
+    "FP32_BYTES",
+    "LOW_PRECISION",
     "OPTIMIZER_STATES",
     "activation_bytes",
     "local_numel",
     "local_shape",
+    "optimizer_states",
     "param_state_bytes",
+    "replicas",
     "shard_dim",
-    "tensor_bytes",
-    "val_bytes",
+    "state_bytes_per_element",
 ]
 
 # Optimizer state tensors per parameter, each the size of the parameter.
@@ -51,6 +67,8 @@ OPTIMIZER_STATES: dict[str, int] = {
     "adagrad": 1,
     "rmsprop": 1,
 }
+LOW_PRECISION = (torch.bfloat16, torch.float16)  # trained with an fp32 master copy
+FP32_BYTES = 4
 
 
 def shard_dim(placement: Any) -> int | None:
@@ -85,17 +103,64 @@ def local_numel(shape: Sequence[int], spec: Sequence[Any], mesh_shape: Sequence[
     return math.prod(local_shape(shape, spec, mesh_shape))
 
 
-def tensor_bytes(shape: Sequence[int], itemsize: int) -> int:
-    return math.prod(int(s) for s in shape) * itemsize
+def replicas(spec: Sequence[Any], mesh_shape: Sequence[int]) -> int:
+    """Devices holding the same shard: the product of the ``Replicate`` axes' sizes."""
+    return math.prod(size for p, size in zip(spec, mesh_shape, strict=True) if p.is_replicate())
 
 
-def val_bytes(val: Any) -> int:
-    """Bytes of a ``meta["val"]``: a (Fake)Tensor, or a tuple/list of them; others count 0."""
-    if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
-    if isinstance(val, (tuple, list)):
-        return sum(val_bytes(v) for v in val)
-    return 0
+def optimizer_states(optimizer: str) -> int:
+    """State tensors per parameter of a named optimizer (see ``OPTIMIZER_STATES``)."""
+    key = optimizer.lower()
+    if key not in OPTIMIZER_STATES:
+        raise ValueError(
+            f"unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZER_STATES)} "
+            "(or pass its number of state tensors per parameter)"
+        )
+    return OPTIMIZER_STATES[key]
+
+
+def state_bytes_per_element(
+    dtype: torch.dtype,
+    states: int = 2,
+    *,
+    trained: bool = True,
+    replicas: int = 1,
+    shard_optimizer: bool = False,
+) -> float:
+    """Bytes per local element of a tensor and, when ``trained``, its gradient, master copy
+    and ``states`` optimizer states (see the module docstring)."""
+    size = dtype.itemsize
+    if not trained:
+        return size
+    if dtype in LOW_PRECISION:
+        master_and_states = FP32_BYTES * (1 + states)
+    else:
+        master_and_states = size * states
+    return 2 * size + master_and_states / (replicas if shard_optimizer else 1)
+
+
+def param_state_bytes(
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    spec: Sequence[Any],
+    mesh_shape: Sequence[int],
+    *,
+    optimizer: int | str = 2,
+    trained: bool = True,
+    shard_optimizer: bool = False,
+) -> float:
+    """Bytes one device holds for a parameter (``trained``) or a buffer/input placed as
+    ``spec``: its local shard times ``state_bytes_per_element``. ``optimizer``: a name in
+    ``OPTIMIZER_STATES`` or the number of state tensors per parameter."""
+    states = optimizer_states(optimizer) if isinstance(optimizer, str) else optimizer
+    per_element = state_bytes_per_element(
+        dtype,
+        states,
+        trained=trained,
+        replicas=replicas(spec, mesh_shape),
+        shard_optimizer=shard_optimizer,
+    )
+    return float(local_numel(shape, spec, mesh_shape) * per_element)
 
 
 def activation_bytes(
@@ -103,16 +168,5 @@ def activation_bytes(
 ) -> int:
     """Local bytes of an activation of ``shape`` placed as ``spec`` (``None``: replicated)."""
     if spec is None:
-        return tensor_bytes(shape, itemsize)
+        return math.prod(int(s) for s in shape) * itemsize
     return local_numel(shape, spec, mesh_shape) * itemsize
-
-
-def param_state_bytes(
-    numel: int, itemsize: int, optimizer: str = "adamw", *, requires_grad: bool = True
-) -> int:
-    """Bytes for a parameter, its gradient and optimizer state (see module docstring)."""
-    key = optimizer.lower()
-    if key not in OPTIMIZER_STATES:
-        raise ValueError(f"unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZER_STATES)}")
-    copies = 1 + (1 + OPTIMIZER_STATES[key] if requires_grad else 0)
-    return int(numel) * itemsize * copies

@@ -1,18 +1,37 @@
-"""Triton kernels (forward + backward) that the fusion pass swaps in for matched regions.
+"""Triton kernels (forward + backward) registered as ``autopar::*`` custom ops.
 
-Importing this package registers the ``autopar::*`` custom ops (``torch.ops.autopar``).
-One import line per kernel module (``X as X`` marks a re-export); kernels run only when
-:func:`available` is true.
+Importing this package registers the ops (``torch.ops.autopar``); each forward op is
+differentiable through its backward op (``torch.library.register_autograd``), so forward and
+backward are one graph node each under make_fx / torch.export / AOT autograd. Kernels run
+only when :func:`available` is true.
+
+Fused by :mod:`autopar.passes.fusion` (matched patterns, with sharding rules in
+:mod:`autopar.passes.strategies.rules.fused`): ``add_layer_norm``, ``add_rms_norm``,
+``bias_gelu``, ``swiglu``, ``linear_cross_entropy``. Available as ops but not yet matched by
+the fusion pass: ``rope`` and ``moe_permute`` / ``moe_unpermute``.
+
+The row-wise kernels share their tiling, launch, checks and autograd registration
+(:mod:`autopar.kernels._rowwise`).
 """
 
-from autopar.kernels._triton import available as available
-from autopar.kernels.add_layer_norm import AddLayerNormFunction as AddLayerNormFunction
-from autopar.kernels.add_rms_norm import AddRMSNormFunction as AddRMSNormFunction
-from autopar.kernels.bias_gelu import BiasGeluFunction as BiasGeluFunction
-from autopar.kernels.linear_cross_entropy import (
-    LinearCrossEntropyFunction as LinearCrossEntropyFunction,
+from autopar.kernels import (
+    add_layer_norm,
+    add_rms_norm,
+    bias_gelu,
+    linear_cross_entropy,
+    moe_permute,
+    rope,
+    swiglu,
 )
-from autopar.kernels.moe_permute import MoePermuteFunction as MoePermuteFunction
-from autopar.kernels.moe_permute import MoeUnpermuteFunction as MoeUnpermuteFunction
-from autopar.kernels.rope import RopeFunction as RopeFunction
-from autopar.kernels.swiglu import SwiGLUFunction as SwiGLUFunction
+from autopar.kernels._triton import available
+
+__all__ = [
+    "add_layer_norm",
+    "add_rms_norm",
+    "available",
+    "bias_gelu",
+    "linear_cross_entropy",
+    "moe_permute",
+    "rope",
+    "swiglu",
+]

@@ -21,10 +21,9 @@ Only ``s`` and ``weight`` are saved for backward: ``mu`` and ``rstd`` are recomp
 row of ``s`` the backward kernel loads anyway (no per-row statistics tensors are stored).
 ``x`` and ``residual`` receive the same gradient tensor.
 
-Entry points: the launchers :func:`add_layer_norm_fwd` / :func:`add_layer_norm_bwd`, the eager
-:class:`AddLayerNormFunction`, and the custom ops ``autopar::add_layer_norm`` and
+Entry points: the custom ops ``autopar::add_layer_norm`` and
 ``autopar::add_layer_norm_backward`` (one graph node each under make_fx / torch.export /
-AOT autograd).
+AOT autograd); the first is differentiable through the second.
 """
 
 from __future__ import annotations
@@ -33,8 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
-from autopar.kernels._tiling import as_rows, reduction_programs, row_tiling
-from autopar.kernels._triton import require
+from autopar.kernels._rowwise import (
+    check_params,
+    check_rows,
+    launch,
+    param_dtype,
+    register_autograd,
+)
 
 Tensor = torch.Tensor
 
@@ -104,97 +108,8 @@ def _add_layer_norm_bwd_kernel(
 
 
 def _check(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None) -> None:
-    if x.shape != residual.shape or x.dtype != residual.dtype:
-        raise ValueError(
-            f"x {tuple(x.shape)}/{x.dtype} and residual "
-            f"{tuple(residual.shape)}/{residual.dtype} must match"
-        )
-    if x.dim() == 0:
-        raise ValueError("add_layer_norm needs at least one dim")
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None and tuple(p.shape) != (x.shape[-1],):
-            raise ValueError(f"{name} shape {tuple(p.shape)} != ({x.shape[-1]},)")
-
-
-def add_layer_norm_fwd(
-    x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
-) -> tuple[Tensor, Tensor]:
-    """Launch the forward kernel: returns ``(y, s)`` shaped like ``x``."""
-    _check(x, residual, weight, bias)
-    require(x)
-    x2, r2 = as_rows(x), as_rows(residual)
-    y, s = torch.empty_like(x2), torch.empty_like(x2)
-    if x2.numel() == 0:
-        return y.view(x.shape), s.view(x.shape)
-    t = row_tiling(*x2.shape)
-    w = weight.contiguous() if weight is not None else x2
-    b = bias.contiguous() if bias is not None else x2
-    _add_layer_norm_fwd_kernel[(t.n_tiles,)](
-        x2, r2, w, b, y, s, t.n_rows, t.n_cols, eps,
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
-    )  # fmt: skip
-    return y.view(x.shape), s.view(x.shape)
-
-
-def add_layer_norm_bwd(
-    dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, eps: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Launch the backward kernel: returns ``(dx, dweight, dbias)``.
-
-    ``dx`` is the gradient of both ``x`` and ``residual``. ``dweight``/``dbias`` have shape
-    ``(N,)`` and the weight's dtype (``s``'s when there is no weight); they are computed
-    even when the op had no weight or bias (the caller drops them).
-    """
-    require(s)
-    s2, dy2 = as_rows(s), as_rows(dy)
-    ds2 = as_rows(ds) if ds is not None else s2
-    dx = torch.empty_like(s2)
-    n_rows, n_cols = s2.shape
-    pdtype = weight.dtype if weight is not None else s.dtype
-    if s2.numel() == 0:
-        zeros = s2.new_zeros(n_cols, dtype=pdtype)
-        return dx.view(s.shape), zeros, zeros.clone()
-    t = row_tiling(n_rows, n_cols)
-    programs = reduction_programs(t, s.device)
-    dw_part = torch.empty(programs, n_cols, dtype=torch.float32, device=s.device)
-    db_part = torch.empty_like(dw_part)
-    w = weight.contiguous() if weight is not None else s2
-    _add_layer_norm_bwd_kernel[(programs,)](
-        dy2, ds2, s2, w, dx, dw_part, db_part, n_rows, n_cols, eps,
-        HAS_DS=ds is not None, HAS_WEIGHT=weight is not None,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
-    )  # fmt: skip
-    return dx.view(s.shape), dw_part.sum(0).to(pdtype), db_part.sum(0).to(pdtype)
-
-
-class AddLayerNormFunction(torch.autograd.Function):
-    """Eager autograd wrapper over the launchers (Liger-Kernel style)."""
-
-    @staticmethod
-    def forward(
-        ctx: torch.autograd.function.FunctionCtx,
-        x: Tensor,
-        residual: Tensor,
-        weight: Tensor | None,
-        bias: Tensor | None,
-        eps: float,
-    ) -> tuple[Tensor, Tensor]:
-        y, s = add_layer_norm_fwd(x, residual, weight, bias, eps)
-        ctx.save_for_backward(s, weight)
-        ctx.eps, ctx.has_bias = eps, bias is not None
-        ctx.set_materialize_grads(False)  # ds (or dy) is None when s (or y) is unused
-        return y, s
-
-    @staticmethod
-    def backward(
-        ctx: torch.autograd.function.FunctionCtx, dy: Tensor | None, ds: Tensor | None
-    ) -> tuple[Tensor | None, ...]:
-        s, weight = ctx.saved_tensors
-        if dy is None:
-            dy = torch.zeros_like(s)
-        dx, dw, db = add_layer_norm_bwd(dy, ds, s, weight, ctx.eps)
-        return dx, dx, dw if weight is not None else None, db if ctx.has_bias else None, None
+    check_rows("add_layer_norm", x=x, residual=residual)
+    check_params("add_layer_norm", x.shape[-1], weight=weight, bias=bias)
 
 
 @torch.library.custom_op("autopar::add_layer_norm", mutates_args=())
@@ -202,7 +117,12 @@ def add_layer_norm(
     x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
 ) -> tuple[Tensor, Tensor]:
     """``(LayerNorm(x + residual), x + residual)`` as one op (see the module docstring)."""
-    return add_layer_norm_fwd(x, residual, weight, bias, eps)
+    _check(x, residual, weight, bias)
+    (y, s), _ = launch(
+        _add_layer_norm_fwd_kernel, (x, residual), (weight, bias), like=x, outputs=2,
+        scalars=(eps,), HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+    )  # fmt: skip
+    return y, s
 
 
 @add_layer_norm.register_fake
@@ -217,15 +137,25 @@ def _(
 def add_layer_norm_backward(
     dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dx, dweight, dbias)`` of ``autopar::add_layer_norm`` from the saved ``s``."""
-    return add_layer_norm_bwd(dy, ds, s, weight, eps)
+    """``(dx, dweight, dbias)`` of ``autopar::add_layer_norm`` from the saved ``s``.
+
+    ``dx`` is the gradient of both ``x`` and ``residual``; ``dweight``/``dbias`` are computed
+    even when the op had no weight or bias (autograd drops them).
+    """
+    pdtype = param_dtype(weight, s)
+    (dx,), (dw, db) = launch(
+        _add_layer_norm_bwd_kernel, (dy, ds, s), (weight,), like=s,
+        reductions=(pdtype, pdtype), scalars=(eps,),
+        HAS_DS=ds is not None, HAS_WEIGHT=weight is not None,
+    )  # fmt: skip
+    return dx, dw, db
 
 
 @add_layer_norm_backward.register_fake
 def _(
     dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    pdtype = weight.dtype if weight is not None else s.dtype
+    pdtype = param_dtype(weight, s)
     n_cols = s.shape[-1]
     return (
         s.new_empty(s.shape),
@@ -234,23 +164,18 @@ def _(
     )
 
 
-def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
-    _, _, weight, bias, eps = inputs
-    ctx.save_for_backward(output[1], weight)
-    ctx.eps, ctx.has_bias = eps, bias is not None
-    # an unused output's gradient arrives as None, not as zeros: a final norm's sum is
-    # read nowhere else, and materialized zeros would be a plain tensor beside DTensors
-    ctx.set_materialize_grads(False)
-
-
 def _backward(
-    ctx: torch.autograd.function.FunctionCtx, dy: Tensor | None, ds: Tensor | None
+    dy: Tensor | None, ds: Tensor | None, s: Tensor, weight: Tensor | None, eps: float
 ) -> tuple[Tensor | None, ...]:
-    s, weight = ctx.saved_tensors
-    if dy is None:
+    if dy is None:  # only s is read downstream
         dy = torch.zeros_like(s)
-    dx, dw, db = torch.ops.autopar.add_layer_norm_backward(dy, ds, s, weight, ctx.eps)
-    return dx, dx, dw if weight is not None else None, db if ctx.has_bias else None, None
+    dx, dw, db = add_layer_norm_backward(dy, ds, s, weight, eps)
+    return dx, dx, dw, db, None
 
 
-add_layer_norm.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(
+    add_layer_norm,
+    _backward,
+    save=lambda inputs, output: (output[1], inputs[2], inputs[4]),  # s, weight, eps
+    unused_grads_as_none=True,
+)

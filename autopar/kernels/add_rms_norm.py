@@ -22,10 +22,9 @@ Backward, with g = dy * weight and row means <.>:
 Only ``s`` and ``weight`` are saved for backward; ``rstd`` is recomputed from the row of
 ``s`` the backward kernel loads anyway. ``x`` and ``residual`` receive the same gradient.
 
-Entry points: the launchers :func:`add_rms_norm_fwd` / :func:`add_rms_norm_bwd`, the eager
-:class:`AddRMSNormFunction`, and the custom ops ``autopar::add_rms_norm`` and
-``autopar::add_rms_norm_backward`` (one graph node each under make_fx / torch.export /
-AOT autograd).
+Entry points: the custom ops ``autopar::add_rms_norm`` and ``autopar::add_rms_norm_backward``
+(one graph node each under make_fx / torch.export / AOT autograd); the first is
+differentiable through the second.
 """
 
 from __future__ import annotations
@@ -34,8 +33,13 @@ import torch
 import triton
 import triton.language as tl
 
-from autopar.kernels._tiling import as_rows, reduction_programs, row_tiling
-from autopar.kernels._triton import require
+from autopar.kernels._rowwise import (
+    check_params,
+    check_rows,
+    launch,
+    param_dtype,
+    register_autograd,
+)
 
 Tensor = torch.Tensor
 
@@ -94,91 +98,8 @@ def _add_rms_norm_bwd_kernel(
 
 
 def _check(x: Tensor, residual: Tensor, weight: Tensor | None) -> None:
-    if x.shape != residual.shape or x.dtype != residual.dtype:
-        raise ValueError(
-            f"x {tuple(x.shape)}/{x.dtype} and residual "
-            f"{tuple(residual.shape)}/{residual.dtype} must match"
-        )
-    if x.dim() == 0:
-        raise ValueError("add_rms_norm needs at least one dim")
-    if weight is not None and tuple(weight.shape) != (x.shape[-1],):
-        raise ValueError(f"weight shape {tuple(weight.shape)} != ({x.shape[-1]},)")
-
-
-def add_rms_norm_fwd(
-    x: Tensor, residual: Tensor, weight: Tensor | None, eps: float
-) -> tuple[Tensor, Tensor]:
-    """Launch the forward kernel: returns ``(y, s)`` shaped like ``x``."""
-    _check(x, residual, weight)
-    require(x)
-    x2, r2 = as_rows(x), as_rows(residual)
-    y, s = torch.empty_like(x2), torch.empty_like(x2)
-    if x2.numel() == 0:
-        return y.view(x.shape), s.view(x.shape)
-    t = row_tiling(*x2.shape)
-    w = weight.contiguous() if weight is not None else x2
-    _add_rms_norm_fwd_kernel[(t.n_tiles,)](
-        x2, r2, w, y, s, t.n_rows, t.n_cols, eps,
-        HAS_WEIGHT=weight is not None,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
-    )  # fmt: skip
-    return y.view(x.shape), s.view(x.shape)
-
-
-def add_rms_norm_bwd(
-    dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, eps: float
-) -> tuple[Tensor, Tensor]:
-    """Launch the backward kernel: returns ``(dx, dweight)``.
-
-    ``dx`` is the gradient of both ``x`` and ``residual``. ``dweight`` has shape ``(N,)`` and
-    the weight's dtype (``s``'s when there is no weight, in which case the caller drops it).
-    """
-    require(s)
-    s2, dy2 = as_rows(s), as_rows(dy)
-    ds2 = as_rows(ds) if ds is not None else s2
-    dx = torch.empty_like(s2)
-    n_rows, n_cols = s2.shape
-    pdtype = weight.dtype if weight is not None else s.dtype
-    if s2.numel() == 0:
-        return dx.view(s.shape), s2.new_zeros(n_cols, dtype=pdtype)
-    t = row_tiling(n_rows, n_cols)
-    programs = reduction_programs(t, s.device)
-    dw_part = torch.empty(programs, n_cols, dtype=torch.float32, device=s.device)
-    w = weight.contiguous() if weight is not None else s2
-    _add_rms_norm_bwd_kernel[(programs,)](
-        dy2, ds2, s2, w, dx, dw_part, n_rows, n_cols, eps,
-        HAS_DS=ds is not None, HAS_WEIGHT=weight is not None,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
-    )  # fmt: skip
-    return dx.view(s.shape), dw_part.sum(0).to(pdtype)
-
-
-class AddRMSNormFunction(torch.autograd.Function):
-    """Eager autograd wrapper over the launchers (Liger-Kernel style)."""
-
-    @staticmethod
-    def forward(
-        ctx: torch.autograd.function.FunctionCtx,
-        x: Tensor,
-        residual: Tensor,
-        weight: Tensor | None,
-        eps: float,
-    ) -> tuple[Tensor, Tensor]:
-        y, s = add_rms_norm_fwd(x, residual, weight, eps)
-        ctx.save_for_backward(s, weight)
-        ctx.eps = eps
-        ctx.set_materialize_grads(False)  # ds (or dy) is None when s (or y) is unused
-        return y, s
-
-    @staticmethod
-    def backward(
-        ctx: torch.autograd.function.FunctionCtx, dy: Tensor | None, ds: Tensor | None
-    ) -> tuple[Tensor | None, ...]:
-        s, weight = ctx.saved_tensors
-        if dy is None:
-            dy = torch.zeros_like(s)
-        dx, dw = add_rms_norm_bwd(dy, ds, s, weight, ctx.eps)
-        return dx, dx, dw if weight is not None else None, None
+    check_rows("add_rms_norm", x=x, residual=residual)
+    check_params("add_rms_norm", x.shape[-1], weight=weight)
 
 
 @torch.library.custom_op("autopar::add_rms_norm", mutates_args=())
@@ -186,7 +107,12 @@ def add_rms_norm(
     x: Tensor, residual: Tensor, weight: Tensor | None, eps: float
 ) -> tuple[Tensor, Tensor]:
     """``(RMSNorm(x + residual), x + residual)`` as one op (see the module docstring)."""
-    return add_rms_norm_fwd(x, residual, weight, eps)
+    _check(x, residual, weight)
+    (y, s), _ = launch(
+        _add_rms_norm_fwd_kernel, (x, residual), (weight,), like=x, outputs=2,
+        scalars=(eps,), HAS_WEIGHT=weight is not None,
+    )  # fmt: skip
+    return y, s
 
 
 @add_rms_norm.register_fake
@@ -199,35 +125,38 @@ def _(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> tuple[T
 def add_rms_norm_backward(
     dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, eps: float
 ) -> tuple[Tensor, Tensor]:
-    """``(dx, dweight)`` of ``autopar::add_rms_norm`` from the saved ``s``."""
-    return add_rms_norm_bwd(dy, ds, s, weight, eps)
+    """``(dx, dweight)`` of ``autopar::add_rms_norm`` from the saved ``s``.
+
+    ``dx`` is the gradient of both ``x`` and ``residual``; ``dweight`` is computed even when
+    the op had no weight (autograd drops it).
+    """
+    pdtype = param_dtype(weight, s)
+    (dx,), (dw,) = launch(
+        _add_rms_norm_bwd_kernel, (dy, ds, s), (weight,), like=s, reductions=(pdtype,),
+        scalars=(eps,), HAS_DS=ds is not None, HAS_WEIGHT=weight is not None,
+    )  # fmt: skip
+    return dx, dw
 
 
 @add_rms_norm_backward.register_fake
 def _(
     dy: Tensor, ds: Tensor | None, s: Tensor, weight: Tensor | None, eps: float
 ) -> tuple[Tensor, Tensor]:
-    pdtype = weight.dtype if weight is not None else s.dtype
-    return s.new_empty(s.shape), s.new_empty(s.shape[-1], dtype=pdtype)
-
-
-def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
-    _, _, weight, eps = inputs
-    ctx.save_for_backward(output[1], weight)
-    ctx.eps = eps
-    # an unused output's gradient arrives as None, not as zeros: a final norm's sum is
-    # read nowhere else, and materialized zeros would be a plain tensor beside DTensors
-    ctx.set_materialize_grads(False)
+    return s.new_empty(s.shape), s.new_empty(s.shape[-1], dtype=param_dtype(weight, s))
 
 
 def _backward(
-    ctx: torch.autograd.function.FunctionCtx, dy: Tensor | None, ds: Tensor | None
+    dy: Tensor | None, ds: Tensor | None, s: Tensor, weight: Tensor | None, eps: float
 ) -> tuple[Tensor | None, ...]:
-    s, weight = ctx.saved_tensors
-    if dy is None:
+    if dy is None:  # only s is read downstream
         dy = torch.zeros_like(s)
-    dx, dw = torch.ops.autopar.add_rms_norm_backward(dy, ds, s, weight, ctx.eps)
-    return dx, dx, dw if weight is not None else None, None
+    dx, dw = add_rms_norm_backward(dy, ds, s, weight, eps)
+    return dx, dx, dw, None
 
 
-add_rms_norm.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(
+    add_rms_norm,
+    _backward,
+    save=lambda inputs, output: (output[1], inputs[2], inputs[3]),  # s, weight, eps
+    unused_grads_as_none=True,
+)

@@ -17,9 +17,8 @@ Only ``x`` and ``bias`` are saved for backward (``z`` is recomputed in the kerne
 ``tanh`` is computed as ``2 sigmoid(2u) - 1`` (Triton has no portable tanh); its absolute
 error is ~1e-7, far inside the fp32 tolerance.
 
-Entry points: the launchers :func:`bias_gelu_fwd` / :func:`bias_gelu_bwd`, the eager
-:class:`BiasGeluFunction`, and the custom ops ``autopar::bias_gelu`` and
-``autopar::bias_gelu_backward`` (one graph node each).
+Entry points: the custom ops ``autopar::bias_gelu`` and ``autopar::bias_gelu_backward`` (one
+graph node each); the first is differentiable through the second.
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from autopar.kernels._tiling import as_rows, reduction_programs, row_tiling
-from autopar.kernels._triton import require
+from autopar.kernels._rowwise import check_params, check_rows, launch, register_autograd
 
 Tensor = torch.Tensor
 APPROXIMATIONS = ("none", "tanh")
@@ -108,71 +106,18 @@ def _bias_gelu_bwd_kernel(
 def _check(x: Tensor, bias: Tensor, approximate: str) -> None:
     if approximate not in APPROXIMATIONS:
         raise ValueError(f"approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
-    if x.dim() == 0 or tuple(bias.shape) != (x.shape[-1],):
-        raise ValueError(f"bias shape {tuple(bias.shape)} must be (x.shape[-1],) for x {x.shape}")
-
-
-def bias_gelu_fwd(x: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
-    """Launch the forward kernel: ``gelu(x + bias)`` shaped like ``x``."""
-    _check(x, bias, approximate)
-    require(x)
-    x2 = as_rows(x)
-    y = torch.empty_like(x2)
-    if x2.numel() == 0:
-        return y.view(x.shape)
-    t = row_tiling(*x2.shape)
-    _bias_gelu_fwd_kernel[(t.n_tiles,)](
-        x2, bias.contiguous(), y, t.n_rows, t.n_cols,
-        APPROX_TANH=approximate == "tanh",
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
-    )  # fmt: skip
-    return y.view(x.shape)
-
-
-def bias_gelu_bwd(
-    dy: Tensor, x: Tensor, bias: Tensor, approximate: str = "none"
-) -> tuple[Tensor, Tensor]:
-    """Launch the backward kernel: returns ``(dx, dbias)``."""
-    _check(x, bias, approximate)
-    require(x)
-    x2, dy2 = as_rows(x), as_rows(dy)
-    dx = torch.empty_like(x2)
-    n_rows, n_cols = x2.shape
-    if x2.numel() == 0:
-        return dx.view(x.shape), torch.zeros_like(bias)
-    t = row_tiling(n_rows, n_cols)
-    programs = reduction_programs(t, x.device)
-    db_part = torch.empty(programs, n_cols, dtype=torch.float32, device=x.device)
-    _bias_gelu_bwd_kernel[(programs,)](
-        dy2, x2, bias.contiguous(), dx, db_part, n_rows, n_cols,
-        APPROX_TANH=approximate == "tanh",
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
-    )  # fmt: skip
-    return dx.view(x.shape), db_part.sum(0).to(bias.dtype)
-
-
-class BiasGeluFunction(torch.autograd.Function):
-    """Eager autograd wrapper over the launchers (Liger-Kernel style)."""
-
-    @staticmethod
-    def forward(
-        ctx: torch.autograd.function.FunctionCtx, x: Tensor, bias: Tensor, approximate: str
-    ) -> Tensor:
-        ctx.save_for_backward(x, bias)
-        ctx.approximate = approximate
-        return bias_gelu_fwd(x, bias, approximate)
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, dy: Tensor) -> tuple[Tensor | None, ...]:
-        x, bias = ctx.saved_tensors
-        dx, db = bias_gelu_bwd(dy, x, bias, ctx.approximate)
-        return dx, db, None
+    check_rows("bias_gelu", x=x)
+    check_params("bias_gelu", x.shape[-1], bias=bias)
 
 
 @torch.library.custom_op("autopar::bias_gelu", mutates_args=())
 def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
     """``gelu(x + bias, approximate)`` as one op (see the module docstring)."""
-    return bias_gelu_fwd(x, bias, approximate)
+    _check(x, bias, approximate)
+    (y,), _ = launch(
+        _bias_gelu_fwd_kernel, (x,), (bias,), like=x, APPROX_TANH=approximate == "tanh"
+    )
+    return y
 
 
 @bias_gelu.register_fake
@@ -186,7 +131,12 @@ def bias_gelu_backward(
     dy: Tensor, x: Tensor, bias: Tensor, approximate: str = "none"
 ) -> tuple[Tensor, Tensor]:
     """``(dx, dbias)`` of ``autopar::bias_gelu`` from the saved ``x`` and ``bias``."""
-    return bias_gelu_bwd(dy, x, bias, approximate)
+    _check(x, bias, approximate)
+    (dx,), (db,) = launch(
+        _bias_gelu_bwd_kernel, (dy, x), (bias,), like=x, reductions=(bias.dtype,),
+        APPROX_TANH=approximate == "tanh",
+    )  # fmt: skip
+    return dx, db
 
 
 @bias_gelu_backward.register_fake
@@ -194,16 +144,8 @@ def _(dy: Tensor, x: Tensor, bias: Tensor, approximate: str = "none") -> tuple[T
     return x.new_empty(x.shape), bias.new_empty(bias.shape)
 
 
-def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: Tensor) -> None:
-    x, bias, approximate = inputs
-    ctx.save_for_backward(x, bias)
-    ctx.approximate = approximate
+def _backward(dy: Tensor, x: Tensor, bias: Tensor, approximate: str) -> tuple[Tensor | None, ...]:
+    return (*bias_gelu_backward(dy, x, bias, approximate), None)
 
 
-def _backward(ctx: torch.autograd.function.FunctionCtx, dy: Tensor) -> tuple[Tensor | None, ...]:
-    x, bias = ctx.saved_tensors
-    dx, db = torch.ops.autopar.bias_gelu_backward(dy, x, bias, ctx.approximate)
-    return dx, db, None
-
-
-bias_gelu.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(bias_gelu, _backward, save=lambda inputs, output: inputs)

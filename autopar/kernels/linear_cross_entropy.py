@@ -40,8 +40,8 @@ benchmark).
 
 Entry points: :func:`linear_cross_entropy` (the ``autopar::linear_cross_entropy`` custom op:
 one graph node returning ``(loss, grad_x, grad_weight, grad_bias)``, backward = three scalar
-multiplies), :class:`LinearCrossEntropyFunction` (eager ``autograd.Function``),
-:func:`linear_cross_entropy_launch` (the launcher), :func:`linear_cross_entropy_reference`.
+multiplies), :func:`linear_cross_entropy_launch` (the launcher),
+:func:`linear_cross_entropy_reference`.
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ from autopar.kernels import _triton
 
 __all__ = [
     "CHUNK_LOGIT_BYTES",
-    "LinearCrossEntropyFunction",
     "linear_cross_entropy",
     "linear_cross_entropy_launch",
     "linear_cross_entropy_reference",
@@ -292,26 +291,6 @@ def _scaled_grads(
         else:
             out.append(g * grad_loss.to(g.dtype))
     return out
-
-
-class LinearCrossEntropyFunction(torch.autograd.Function):
-    """Eager autograd wrapper around :func:`linear_cross_entropy_launch`."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx, x, weight, bias, target, ignore_index, label_smoothing, reduction, chunk_rows
-    ):
-        grad = any(ctx.needs_input_grad[:3])
-        loss, gx, gw, gb = linear_cross_entropy_launch(
-            x, weight, bias, target, ignore_index, label_smoothing, reduction, grad, chunk_rows
-        )
-        ctx.save_for_backward(gx, gw, gb)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):  # type: ignore[override]
-        gx, gw, gb = _scaled_grads(grad_loss, ctx.saved_tensors, ctx.needs_input_grad[:3])
-        return gx, gw, gb, None, None, None, None, None
 
 
 @torch.library.custom_op("autopar::linear_cross_entropy", mutates_args=())

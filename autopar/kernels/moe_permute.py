@@ -22,9 +22,9 @@ blocks, accumulating in fp32 and storing in the destination dtype. Out-of-range 
 raise on CPU (``scatter_add``); dropped tokens (id -1) are not supported.
 
 Entry points: :func:`moe_permute` / :func:`moe_unpermute` (custom ops ``autopar::moe_permute``,
-``autopar::moe_unpermute``, ``autopar::moe_unpermute_backward``: one graph node each),
-:class:`MoePermuteFunction` / :class:`MoeUnpermuteFunction` (eager autograd), the launchers
-``*_launch``, and ``*_reference`` (the PyTorch patterns the fusion pass replaces).
+``autopar::moe_unpermute``, ``autopar::moe_unpermute_backward``: one graph node each), the
+launchers ``*_launch``, and ``*_reference`` (the PyTorch computations they replace; no
+pattern of :mod:`autopar.passes.fusion` matches them yet).
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ import triton.language as tl
 from autopar.kernels import _triton
 
 __all__ = [
-    "MoePermuteFunction",
-    "MoeUnpermuteFunction",
     "moe_permute",
     "moe_permute_launch",
     "moe_permute_reference",
@@ -233,39 +231,6 @@ def moe_unpermute_reference(
     if gate_weights is not None:
         rows = rows * gate_weights.unsqueeze(-1).to(rows.dtype)
     return rows.sum(dim=1)
-
-
-class MoePermuteFunction(torch.autograd.Function):
-    """Eager autograd wrapper around :func:`moe_permute_launch`."""
-
-    @staticmethod
-    def forward(ctx, tokens, expert_idx, num_experts):  # type: ignore[override]
-        out, counts, row_id_map = moe_permute_launch(tokens, expert_idx, num_experts)
-        ctx.save_for_backward(row_id_map)
-        ctx.mark_non_differentiable(counts, row_id_map)
-        return out, counts, row_id_map
-
-    @staticmethod
-    def backward(ctx, grad_out, _counts, _map):  # type: ignore[override]
-        (row_id_map,) = ctx.saved_tensors
-        return moe_unpermute_launch(grad_out, row_id_map), None, None
-
-
-class MoeUnpermuteFunction(torch.autograd.Function):
-    """Eager autograd wrapper around :func:`moe_unpermute_launch`."""
-
-    @staticmethod
-    def forward(ctx, expert_out, row_id_map, gate_weights):  # type: ignore[override]
-        ctx.save_for_backward(expert_out, row_id_map, gate_weights)
-        return moe_unpermute_launch(expert_out, row_id_map, gate_weights)
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        expert_out, row_id_map, gate_weights = ctx.saved_tensors
-        d_y, d_w = moe_unpermute_backward_launch(
-            grad_out, expert_out, row_id_map, gate_weights, ctx.needs_input_grad[2]
-        )
-        return d_y, None, d_w if ctx.needs_input_grad[2] else None
 
 
 @torch.library.custom_op("autopar::moe_permute", mutates_args=())

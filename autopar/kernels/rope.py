@@ -23,9 +23,9 @@ The map is linear in ``x``; its transpose gives the backward (for the usual tabl
 in fp32; outputs are stored in the input dtype.
 
 Entry points: :func:`rope` (the ``autopar::rope`` custom op, one graph node under
-make_fx/torch.export, backward is the ``autopar::rope_backward`` op), :class:`RopeFunction`
-(plain ``autograd.Function`` for eager use), :func:`rope_reference` (the PyTorch pattern the
-fusion pass replaces).
+make_fx/torch.export, backward is the ``autopar::rope_backward`` op), :func:`rope_launch`
+(the launcher), :func:`rope_reference` (the PyTorch computation it replaces; no pattern of
+:mod:`autopar.passes.fusion` matches it yet).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import triton.language as tl
 
 from autopar.kernels import _triton
 
-__all__ = ["RopeFunction", "rope", "rope_backward", "rope_launch", "rope_reference"]
+__all__ = ["rope", "rope_backward", "rope_launch", "rope_reference"]
 
 
 @triton.jit
@@ -153,21 +153,6 @@ def rope_reference(
         return torch.cat((-x2, x1), dim=-1)
 
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-
-class RopeFunction(torch.autograd.Function):
-    """Eager autograd wrapper around :func:`rope_launch` (no graph registration)."""
-
-    @staticmethod
-    def forward(ctx, q, k, cos, sin):  # type: ignore[override]
-        ctx.save_for_backward(cos, sin)
-        return rope_launch(q, k, cos, sin)
-
-    @staticmethod
-    def backward(ctx, dq, dk):  # type: ignore[override]
-        cos, sin = ctx.saved_tensors
-        dq_in, dk_in = rope_launch(dq, dk, cos, sin, backward=True)
-        return dq_in, dk_in, None, None
 
 
 @torch.library.custom_op("autopar::rope", mutates_args=())

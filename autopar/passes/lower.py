@@ -5,16 +5,21 @@
 How: the captured loss graph is interpreted once on DTensors. Parameters, buffers and
 inputs enter as DTensors with their planned storage placement; before each node runs, every
 tensor argument is redistributed to the placement the plan chose for that input (this is
-where all-gathers, reduce-scatters, all-reduces and all-to-alls appear); after it runs, the
-output is checked against the plan's output placement. The scalar loss is made replicated,
-and `torch.autograd.grad` of it with respect to the *local* parameter shards produces
-gradients already reduced to each parameter's storage placement (DTensor's `from_local`
-backward redistributes the gradient back to the placement it was created with: Partial ->
-Replicate is the DP all-reduce, Partial -> Shard the ZeRO/FSDP reduce-scatter).
+where all-gathers, reduce-scatters, all-reduces and all-to-alls appear). After it runs, an
+output whose placements differ from the plan's (DTensor picked another strategy) is not an
+error: it is logged (debug) and redistributed to the planned placements, unless it is
+Partial on some axis, in which case it is kept as is and its consumers' input
+redistribution reduces it. The scalar loss is made replicated, and `torch.autograd.grad` of
+it with respect to the *local* parameter shards produces gradients already reduced to each
+parameter's storage placement (DTensor's `from_local` backward redistributes the gradient
+back to the placement it was created with: Partial -> Replicate is the DP all-reduce,
+Partial -> Shard the ZeRO/FSDP reduce-scatter).
 
 The whole forward + backward is traced with `make_fx` on fake tensors. DTensor dispatch
 happens only while tracing: the resulting graph holds local ATen ops and
 `_c10d_functional` collectives, so the training loop never dispatches through DTensor.
+autopar's own DTensor strategies (:func:`autopar.passes.strategies.register_dtensor_rules`)
+are registered before the first node runs.
 """
 
 from __future__ import annotations
@@ -28,10 +33,10 @@ import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from autopar._compat import make_fx
+from autopar._compat import local_tensor, make_fx, tree_flatten, tree_unflatten
 from autopar.capture import Captured
+from autopar.passes.strategies import register_dtensor_rules
 from autopar.plan import Plan, parse_spec
 
 log = logging.getLogger(__name__)
@@ -47,21 +52,12 @@ class LocalStep:
     input_names: list[str]
 
 
-def tensor_args(node: fx.Node) -> list[fx.Node]:
-    """The node's tensor-valued arguments in flattened (args, kwargs) order."""
-    flat, _ = tree_flatten((node.args, node.kwargs))
-    return [a for a in flat if isinstance(a, fx.Node) and _is_tensor(a.meta.get("val"))]
-
-
-def _is_tensor(val: object) -> bool:
-    return isinstance(val, torch.Tensor)
-
-
 class PlacedInterpreter(fx.Interpreter):
     """Runs the captured graph on DTensors, redistributing inputs as the plan says."""
 
     def __init__(self, gm: fx.GraphModule, plan: Plan, mesh: DeviceMesh):
         super().__init__(gm)
+        register_dtensor_rules()  # e.g. the CPU flash-attention kernels sdpa dispatches to
         self.mesh = mesh
         self.node_plans = {n.name: n for n in plan.nodes}
         self.replicated = tuple(Replicate() for _ in range(mesh.ndim))
@@ -117,7 +113,7 @@ VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 def _contiguous_local(x):
     """A view of the global tensor need not be a view of a shard (a head-sharded attention
     output is not contiguous where the global one is): copy the shard only then."""
-    if isinstance(x, DTensor) and not x._local_tensor.is_contiguous():
+    if isinstance(x, DTensor) and not local_tensor(x).is_contiguous():
         # _to_copy keeps a Partial partial (DTensor's clone reduces it first)
         return torch.ops.aten._to_copy.default(x, memory_format=torch.contiguous_format)
     return x

@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from autopar.capture import Captured
+from autopar.capture.analysis import batch_dependent, layer_order
 from autopar.capture.export import layer_of
 
 
@@ -33,16 +34,6 @@ class StageGraph:
     buffers: list[str]
     inputs: list[str]  # what this stage receives (stage 0: the user inputs)
     outputs: list[str]  # what it sends on; the last stage: ["loss"]
-
-
-def layer_order(captured: Captured) -> list[str]:
-    """Repeated blocks in graph order."""
-    seen: list[str] = []
-    for n in captured.gm.graph.nodes:
-        layer = layer_of(n)
-        if layer is not None and layer not in seen:
-            seen.append(layer)
-    return seen
 
 
 def assign_stages(captured: Captured, cuts: list[int]) -> dict[fx.Node, int]:
@@ -61,17 +52,6 @@ def assign_stages(captured: Captured, cuts: list[int]) -> dict[fx.Node, int]:
             current = stage_of_layer[first_layer[layer]]
         stages[n] = current
     return stages
-
-
-def batch_dependent(captured: Captured) -> set[fx.Node]:
-    """Nodes computed from the user inputs (the rest depends on weights and constants only)."""
-    out: set[fx.Node] = set()
-    for n in captured.gm.graph.nodes:
-        if (n.op == "placeholder" and n.name in captured.user_inputs) or any(
-            a in out for a in n.all_input_nodes
-        ):
-            out.add(n)
-    return out
 
 
 def split_stages(captured: Captured, cuts: list[int]) -> list[StageGraph]:

@@ -5,8 +5,8 @@ whole (C++ through the host compiler on CPU, Triton on GPU).
 The programs are the lowered graphs themselves (local ATen ops and ``_c10d_functional``
 collectives, static shapes), so compiling them changes no placement and no collective:
 inductor keeps the collectives and fuses the local ops between them. The plan records the
-choice as one region of kernel ``"inductor"`` (:func:`autopar.passes.fusion.fuse_regions`);
-the captured graph itself is not rewritten.
+choice as its fusion mode (``Plan.fusion == "inductor"``, no fused regions); the captured
+graph itself is not rewritten.
 
 Inductor writes its caches under ``TORCHINDUCTOR_CACHE_DIR``. When the user left it unset
 (torch fills in its default, a folder in the system's temp directory, as soon as
@@ -18,13 +18,12 @@ a small GPT step takes tens of seconds on CPU, a warm one a few.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from autopar._compat import default_inductor_cache_dir, make_boxed_func
-from autopar.passes.fusion import fusion_kind
 
 _CHECKOUT = Path(__file__).resolve().parents[2]
 
@@ -52,8 +51,3 @@ def compile_program(program: Callable) -> Callable:
 def aot_compiler(gm: torch.fx.GraphModule, _example_inputs) -> Callable:
     """An AOTAutograd forward/backward compiler that hands the graph to inductor."""
     return make_boxed_func(compile_program(gm))
-
-
-def uses_inductor(plan_fusion: Sequence[dict]) -> bool:
-    """Whether a plan's fusion record asks for torch.compile (``fusion="inductor"``)."""
-    return fusion_kind(plan_fusion) == "inductor"

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.capture import Captured
 from autopar.passes.lower import LocalStep, lower_plan
 from autopar.plan import Plan, parse_spec
-from autopar.runtime.inductor import compile_program, uses_inductor
+from autopar.runtime.inductor import compile_program
 from autopar.runtime.shards import gather_full, local_chunk
 
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
@@ -82,7 +82,7 @@ class ParallelModel(TrainingSteps):
         # what each step runs: the traced program, or with fusion="inductor" the program
         # handed to torch.compile (compiled on the first call)
         self.step_program: Callable = self.program.gm
-        if uses_inductor(plan.fusion):
+        if plan.fusion == "inductor":
             self.step_program = compile_program(self.program.gm)
 
     # ---- training ------------------------------------------------------------------------

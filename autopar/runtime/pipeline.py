@@ -26,7 +26,7 @@ from autopar.cost_models.memory import local_shape
 from autopar.passes.lower import PlacedInterpreter, _wrap
 from autopar.passes.stages import StageGraph
 from autopar.plan import Plan, parse_spec
-from autopar.runtime.inductor import aot_compiler, uses_inductor
+from autopar.runtime.inductor import aot_compiler
 from autopar.runtime.shards import local_chunk
 
 
@@ -70,7 +70,7 @@ class StageModule(nn.Module):
             )
 
         # fusion="inductor": the stage's forward and backward graphs go to torch.compile
-        compiler = aot_compiler if uses_inductor(plan.fusion) else _identity_compiler
+        compiler = aot_compiler if plan.fusion == "inductor" else _identity_compiler
         self._program = aot_function(program, fw_compiler=compiler, bw_compiler=compiler)
 
     def forward(self, *inputs: torch.Tensor):

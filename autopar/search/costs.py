@@ -9,12 +9,14 @@ edge cost  = redistribute(producer output -> consumer input), plus one link late
            + redistribute(gradient at consumer input -> gradient placement at producer):
              the gradient of an input the consumer takes Replicate on an axis where its work
              is split is Partial there; a Partial forward output receives a Replicate grad.
-memory     = parameters: local shard x (param + grad + optimizer states); a bf16/fp16
-             parameter is trained in mixed precision (as Megatron and torchtitan do): its
-             gradient in its own dtype plus an fp32 master copy and fp32 optimizer states;
-             `shard_optimizer` (ZeRO-1) splits master and states over the shard's replicas
-             at no extra time (reduce-scatter + all-gather = the all-reduce already priced);
-             other nodes: the local bytes of their output (saved for backward), 0 for views.
+memory     = placeholders: `cost_models.memory.param_state_bytes` (local shard x (param +
+             grad + optimizer states), mixed precision for bf16/fp16 parameters, ZeRO-1 with
+             `shard_optimizer`); other nodes: `activation_bytes` of their outputs (saved
+             for backward), 0 for views and getitems (the producer counts its outputs).
+
+Inputs are operands (`autopar.capture.operands`): an edge joins the producer of an operand
+to its consumer at the operand's position, and prices the value the operand reads (the
+selected output of a multi-output producer, for a getitem).
 
 Weights (`CostWeights`) say how often the graph's parts count in the ILP objective and
 memory: a captured *template* of a few layers stands for all of them (`layer`, per layer
@@ -36,10 +38,10 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate
 
 from autopar.capture.export import layer_of
+from autopar.capture.operands import Operand, tensor_operands
 from autopar.cluster import Cluster
 from autopar.cost_models import comm, compute, memory
-from autopar.passes.lower import tensor_args
-from autopar.passes.strategies import NodeStrategy
+from autopar.passes.strategies import NodeStrategy, Spec
 
 aten = torch.ops.aten
 
@@ -61,10 +63,6 @@ VIEW_OPS = {
     aten.select.int,
     aten.reshape.default,
 }
-
-
-LOW_PRECISION = (torch.bfloat16, torch.float16)
-_FP32 = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,21 +91,20 @@ class CostContext:
         self.shard_optimizer = shard_optimizer
         self.batch_dependent = batch_dependent
         self.weights = weights or CostWeights()
-        self._inputs: dict[fx.Node, list[fx.Node]] = {}
+        self._inputs: dict[fx.Node, list[tuple[int, Operand]]] = {}
         self._flops: dict[fx.Node, tuple[float, float, str]] = {}
 
     # ---- graph helpers -------------------------------------------------------------------
-    def tensor_inputs(self, n: fx.Node) -> list[fx.Node]:
+    def operands(self, n: fx.Node) -> list[tuple[int, Operand]]:
+        """(position in `NodeStrategy.inputs`, operand) per tensor operand of a call."""
         if n not in self._inputs:
-            self._inputs[n] = tensor_args(n) if n.op == "call_function" else []
+            self._inputs[n] = tensor_operands(n) if n.op == "call_function" else []
         return self._inputs[n]
 
     @staticmethod
-    def output_spec(u: fx.Node, s: NodeStrategy, consumer: fx.Node):
-        """The spec of u's output that `consumer` reads (getitem picks one of several)."""
-        if consumer.target is operator.getitem and len(s.outputs) > 1:
-            return s.outputs[consumer.args[1]]
-        return s.outputs[0] if s.outputs else None
+    def output_spec(op: Operand, s: NodeStrategy) -> Spec | None:
+        """The spec of the value `op` reads when its producer runs strategy `s`."""
+        return op.select(s.outputs)
 
     # ---- node ------------------------------------------------------------------------------
     def node_cost(self, n: fx.Node, s: NodeStrategy) -> float:
@@ -136,40 +133,28 @@ class CostContext:
         return split
 
     def node_memory(self, n: fx.Node, s: NodeStrategy) -> float:
+        """Bytes per device (see `autopar.cost_models.memory`), unweighted."""
         val = n.meta.get("val")
         if n.op == "placeholder":
             if not isinstance(val, torch.Tensor) or not s.outputs:
                 return 0.0
-            spec = s.outputs[0]
-            local = memory.local_numel(val.shape, spec, self.mesh_shape)
-            replicas = math.prod(
-                size
-                for p, size in zip(spec, self.mesh_shape, strict=True)
-                if isinstance(p, Replicate)
+            return memory.param_state_bytes(
+                val.shape,
+                val.dtype,
+                s.outputs[0],
+                self.mesh_shape,
+                optimizer=self.optimizer_states,
+                trained=is_param(n),
+                shard_optimizer=self.shard_optimizer,
             )
-            return float(local * self._state_bytes(val, is_param(n), replicas))
         if n.target in VIEW_OPS or n.target is operator.getitem or n.op != "call_function":
             return 0.0
         total = 0.0
         vals = val if isinstance(val, (tuple, list)) else (val,)
         for v, spec in zip(vals, s.outputs, strict=False):
             if isinstance(v, torch.Tensor) and spec is not None:
-                total += memory.local_numel(v.shape, spec, self.mesh_shape) * v.element_size()
+                total += memory.activation_bytes(v.shape, v.element_size(), spec, self.mesh_shape)
         return total
-
-    def _state_bytes(self, val: torch.Tensor, trained: bool, replicas: int) -> float:
-        """Bytes per element: the tensor, and for a parameter its gradient and optimizer state
-        (mixed precision: fp32 master and states for a bf16/fp16 parameter). With
-        `shard_optimizer` (ZeRO-1, Megatron's distributed optimizer) the master and states
-        are split over the `replicas` devices holding the same shard."""
-        size = val.element_size()
-        if not trained:
-            return size
-        if val.dtype in LOW_PRECISION:
-            states = _FP32 * (1 + self.optimizer_states)
-        else:
-            states = size * self.optimizer_states
-        return 2 * size + states / (replicas if self.shard_optimizer else 1)
 
     def is_weight(self, n: fx.Node) -> bool:
         """A parameter or a value computed from parameters only (a transposed or cast
@@ -187,25 +172,22 @@ class CostContext:
         return w * self.node_memory(n, s)
 
     # ---- edges -----------------------------------------------------------------------------
-    def edge_cost(self, u: fx.Node, src, v: fx.Node, s: NodeStrategy, pos: int) -> float:
+    def edge_cost(self, op: Operand, src, v: fx.Node, s: NodeStrategy, pos: int) -> float:
         """Forward reshard plus backward transpose, seconds (one microbatch, unweighted)."""
-        return sum(self.edge_parts(u, src, v, s, pos))
+        return sum(self.edge_parts(op, src, v, s, pos))
 
-    def weighted_edge_cost(self, u: fx.Node, src, v: fx.Node, s: NodeStrategy, pos: int):
+    def weighted_edge_cost(self, op: Operand, src, v: fx.Node, s: NodeStrategy, pos: int):
         """The edge as the ILP counts it: gradient sync scaled by `CostWeights.sync`."""
-        fwd, bwd = self.edge_parts(u, src, v, s, pos)
-        sync = self.weights.sync if self.is_weight(u) else 1.0
+        fwd, bwd = self.edge_parts(op, src, v, s, pos)
+        sync = self.weights.sync if self.is_weight(op.producer) else 1.0
         return self.weights.of(v) * (fwd + sync * bwd)
 
-    def edge_parts(self, u: fx.Node, src, v: fx.Node, s: NodeStrategy, pos: int):
-        """(forward reshard, backward gradient reshard) in seconds."""
+    def edge_parts(self, op: Operand, src, v: fx.Node, s: NodeStrategy, pos: int):
+        """(forward reshard, backward gradient reshard) in seconds of the value `op` reads
+        (from spec `src`) as input `pos` of `v` running `s`."""
         dst = s.inputs[pos] if pos < len(s.inputs) else None
-        if src is None or dst is None:
-            return 0.0, 0.0
-        val = _first_tensor(u.meta.get("val"))
-        if u.target is not operator.getitem and isinstance(u.meta.get("val"), (tuple, list)):
-            val = u.meta["val"][0]
-        if val is None:
+        val = op.tensor
+        if src is None or dst is None or val is None:
             return 0.0, 0.0
         grad_dst = self._grad_spec_at_consumer(dst, s)
         grad_src = tuple(Replicate() if p.is_partial() else p for p in src)
@@ -235,7 +217,7 @@ class CostContext:
 
 @lru_cache(maxsize=200_000)
 def _redistribute_cached(cluster: Cluster, src, dst, shape, itemsize) -> float:
-    if _same(src, dst):
+    if same_spec(src, dst):
         return 0.0
     if any(b.is_partial() and not a.is_partial() for a, b in zip(src, dst, strict=True)):
         return math.inf  # DTensor does not redistribute into Partial: forbidden pair
@@ -254,7 +236,9 @@ def is_param(n: fx.Node) -> bool:
     return n.op == "placeholder" and n.meta.get("autopar_role") == "param"
 
 
-def _same(src, dst) -> bool:
+def same_spec(src, dst) -> bool:
+    """No redistribution between the specs: equal, or partial on the same axes (lowering keeps
+    a Partial of another kind, e.g. the embedding's masked sum, as it is)."""
     return all((a.is_partial() and b.is_partial()) or a == b for a, b in zip(src, dst, strict=True))
 
 

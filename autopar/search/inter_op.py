@@ -25,10 +25,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.capture import Captured
+from autopar.capture.analysis import batch_dependent, layer_order
 from autopar.capture.export import layer_of
 from autopar.cluster import Cluster
 from autopar.cost_models.comm import send_recv_time
-from autopar.passes.stages import batch_dependent, layer_order
 from autopar.plan import SCHEDULES, PipelinePlan, Plan, stage_ranks
 from autopar.search.costs import CostWeights
 from autopar.search.intra_op import IntraOpResult, solve_intra
@@ -198,6 +198,11 @@ def price_schedule(
 ) -> PricedSchedule:
     virtual = SCHEDULES[schedule]
     num = pp * virtual
+    if cuts is not None and len(cuts) != num:
+        raise ValueError(
+            f"stage_cuts has {len(cuts)} entries but {schedule} on {pp} pipeline ranks "
+            f"runs {num} stages"
+        )
     if cuts is None:
         weights = lc.time
         weights[0] += lc.pre.time
@@ -282,6 +287,7 @@ def search_pipeline(
         best.step_time,
         best.peak_memory,
         {**result.info, "schedules": schedules, "bubble": best.timeline.bubble},
+        priced=result.priced,
     )
     pp = cluster.axis_size("pp")
     return replace(

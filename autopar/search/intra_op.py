@@ -4,12 +4,14 @@
 
 Building the ILP (`autopar.search.ilp` holds the formulation itself):
 
-1. `build_decisions` — one *decision* per node, except *followers*: a node whose only
-   tensor input comes from one producer and which has, for every choice of that producer,
-   a strategy taking the producer's output as it is (views, permutes, getitems, unary
-   elementwise). A follower adds its cost and memory to the producer's decision and costs
-   no resharding. Pins (strategy="dp"/"fsdp"/"tp", per-parameter overrides) restrict the
-   choices of placeholders before this step.
+1. `build_decisions` — one *decision* per node, except *followers*: a node with one tensor
+   operand (`autopar.capture.operands`) which has, for every choice of that operand's
+   producer, a strategy taking the operand as it is (views, permutes, unary elementwise,
+   and every getitem of a multi-output node: its strategies are the producer's, one to
+   one). A follower adds its cost and memory to the producer's decision and costs no
+   resharding. Every other node is a decision *head*: each of its tensor operands is an
+   edge (`IntraOpResult.priced` names the heads). Pins (strategy="dp"/"fsdp"/"tp",
+   per-parameter overrides) restrict the choices of placeholders before this step.
 2. `share_layers` — decisions of repeated layers (same `nn_module_stack` block structure,
    same strategies) map onto the first such layer's decisions, so a 96-layer model solves
    like a one-layer one; their costs and memories add up on the shared decision.
@@ -33,9 +35,9 @@ import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.capture import Captured
+from autopar.capture.analysis import batch_dependent
 from autopar.capture.export import layer_of
 from autopar.cluster import Cluster
-from autopar.passes.stages import batch_dependent
 from autopar.passes.strategies import NodeStrategy, enumerate_strategies
 from autopar.plan import Plan
 from autopar.search.costs import CostContext, CostWeights
@@ -78,19 +80,20 @@ def build_decisions(
 
 
 def _follow(n: fx.Node, strats, owner, items, ctx: CostContext):
-    ins = ctx.tensor_inputs(n)
-    if n.op != "call_function" or len(ins) != 1 or ins[0] not in owner:
+    ins = ctx.operands(n)
+    if n.op != "call_function" or len(ins) != 1 or ins[0][1].producer not in owner:
         return None
-    u = ins[0]
+    pos, op = ins[0]
+    u = op.producer
     d, map_u = owner[u]
     by_input: dict[object, int] = {}
     for j, s in enumerate(strats[n]):
-        key = s.inputs[0] if s.inputs else None
+        key = s.inputs[pos] if pos < len(s.inputs) else None
         if key not in by_input or ctx.node_cost(n, s) < ctx.node_cost(n, strats[n][by_input[key]]):
             by_input[key] = j
     mapping = []
     for c in range(items[d].num_choices):
-        out = ctx.output_spec(u, strats[u][map_u[c]], n)
+        out = ctx.output_spec(op, strats[u][map_u[c]])
         if out not in by_input:
             return None
         mapping.append(by_input[out])
@@ -165,14 +168,14 @@ def _edges(dec: Decisions, rep, index, strats, ctx: CostContext) -> list[Edge]:
     acc: dict[tuple[int, int], list[list[float]]] = {}
     for d, item in enumerate(dec.items):
         v_node, v_map = item.members[0]
-        for pos, u in enumerate(ctx.tensor_inputs(v_node)):
-            du, map_u = dec.owner[u]
+        for pos, op in ctx.operands(v_node):
+            du, map_u = dec.owner[op.producer]
             key = (index[rep[du]], index[rep[d]])
             mat = acc.setdefault(key, [[0.0] * len(v_map) for _ in map_u])
             for cu, ju in enumerate(map_u):
-                src = ctx.output_spec(u, strats[u][ju], v_node)
+                src = ctx.output_spec(op, strats[op.producer][ju])
                 for cv, jv in enumerate(v_map):
-                    mat[cu][cv] += ctx.weighted_edge_cost(u, src, v_node, strats[v_node][jv], pos)
+                    mat[cu][cv] += ctx.weighted_edge_cost(op, src, v_node, strats[v_node][jv], pos)
     return [Edge(u, v, tuple(tuple(r) for r in m)) for (u, v), m in acc.items()]
 
 
@@ -185,6 +188,7 @@ class IntraOpResult:
     objective: float
     memory: float
     info: dict
+    priced: frozenset[fx.Node]  # decision heads: every tensor operand is an ILP edge
 
     def node_time(self, n: fx.Node) -> float:
         """Compute plus the resharding of its inputs (forward and backward), seconds."""
@@ -195,10 +199,10 @@ class IntraOpResult:
         per step: the reduction of parameter gradients), seconds, unweighted."""
         s = self.chosen[n]
         total, sync = self.ctx.node_cost(n, s), 0.0
-        for pos, u in enumerate(self.ctx.tensor_inputs(n)):
-            src = self.ctx.output_spec(u, self.chosen[u], n)
-            fwd, bwd = self.ctx.edge_parts(u, src, n, s, pos)
-            if self.ctx.is_weight(u):
+        for pos, op in self.ctx.operands(n):
+            src = self.ctx.output_spec(op, self.chosen[op.producer])
+            fwd, bwd = self.ctx.edge_parts(op, src, n, s, pos)
+            if self.ctx.is_weight(op.producer):
                 total, sync = total + fwd, sync + bwd
             else:
                 total += fwd + bwd
@@ -250,7 +254,8 @@ def solve_intra(
         "edges": len(problem.edges),
         **({"shard_optimizer": True} if options.shard_optimizer else {}),
     }
-    return IntraOpResult(chosen, ctx, solution.objective, solution.memory, info)
+    priced = frozenset(item.members[0][0] for item in dec.items)
+    return IntraOpResult(chosen, ctx, solution.objective, solution.memory, info, priced)
 
 
 def search_plan(
@@ -266,6 +271,7 @@ def search_plan(
         result.objective,
         result.memory,
         result.info,
+        priced=result.priced,
     )
 
 

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from autopar.capture.analysis import layer_order
 from autopar.capture.template import Template, capture_template
 from autopar.cluster import Cluster
 from autopar.search.costs import CostWeights
@@ -206,8 +207,6 @@ def _price_all(pricer: _Pricer, layouts, schedule, tried) -> tuple[float, float,
 
 
 def _captured_layers(pricer: _Pricer) -> int:
-    from autopar.passes.stages import layer_order
-
     return len(layer_order(pricer.template(pricer.batch[0].shape[0]).captured))
 
 

@@ -14,6 +14,9 @@ every axis. A role pins only what defines it and leaves the rest to the ILP:
     auto  nothing pinned
 
 `placements` pins single parameters (or inputs) by name: {"lm_head.weight": "S(0),R"}.
+
+`SearchOptions` is what the search reads; `SearchOptions.from_options` derives it from the
+user's validated `autopar.options.PlanOptions`.
 """
 
 from __future__ import annotations
@@ -27,11 +30,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar.capture import Captured
+from autopar.options import ROLES, PlanOptions
 from autopar.passes.strategies import NodeStrategy
 from autopar.plan import parse_spec, spec_str
 
 aten = torch.ops.aten
-ROLES = ("auto", "dp", "fsdp", "tp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +48,17 @@ class SearchOptions:
     # price ZeRO-1 (optimizer state split over replicas); planning only: the runtime's
     # optimizer keeps full state, so compile refuses such plans
     shard_optimizer: bool = False
+
+    @classmethod
+    def from_options(cls, options: PlanOptions) -> SearchOptions:
+        """The search's share of what the user asked for."""
+        return cls(
+            strategy=options.strategy,
+            placements=dict(options.placements),
+            memory_limit=options.memory_limit,
+            time_limit_s=options.time_limit_s,
+            shard_optimizer=options.shard_optimizer,
+        )
 
     def roles(self, ndim: int) -> tuple[str, ...]:
         roles = (self.strategy,) * ndim if isinstance(self.strategy, str) else tuple(self.strategy)

@@ -1,16 +1,33 @@
-"""Turn the search's chosen strategy per node into a `Plan` (pure data)."""
+"""Turn the search's chosen strategy per node into a `Plan` (pure data), and check it.
+
+`assemble_plan(captured, cluster, chosen, ..., priced) -> Plan`
+
+Each call node's `NodePlan.args` names the producer of each operand
+(`autopar.capture.operands`, aligned with `inputs`); `arg_outputs` says which output of a
+multi-output producer an operand reads (empty when no operand reads one).
+
+The check (an invariant, so an `AssertionError`): for every tensor operand, the spec the
+node takes equals the spec its producer's chosen strategy gives that output, or the
+redistribution between them was priced in the ILP's objective, i.e. the node is a decision
+head (`priced`) whose operands are all edges. The positions of such priced redistributions
+are recorded in `NodePlan.reshards`: that is where lowering moves data between nodes.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 import torch
 import torch.fx as fx
 
+from autopar._compat import OpOverload
 from autopar.capture import Captured
 from autopar.capture.export import layer_of
+from autopar.capture.operands import operands, tensor_operands
 from autopar.cluster import Cluster
-from autopar.passes.lower import tensor_args
 from autopar.passes.strategies import NodeStrategy
 from autopar.plan import NodePlan, Plan, TensorPlan, spec_str
+from autopar.search.costs import same_spec
 
 
 def assemble_plan(
@@ -21,7 +38,11 @@ def assemble_plan(
     step_time: float,
     peak_memory: float,
     solver: dict,
+    *,
+    priced: Collection[fx.Node],
 ) -> Plan:
+    """The plan of `chosen`; `priced`: the nodes whose input redistributions the objective
+    includes (the ILP's decision heads, `IntraOpResult.priced`)."""
     nodes = []
     tensors = []
     names = {**captured.params, **captured.buffers}
@@ -43,18 +64,7 @@ def assemble_plan(
                 )
             )
         elif n.op == "call_function":
-            nodes.append(
-                NodePlan(
-                    name=n.name,
-                    op=_op_name(n),
-                    inputs=tuple(spec_str(i) for i in s.inputs),
-                    outputs=tuple(spec_str(o) for o in s.outputs),
-                    layer=layer_of(n),
-                    args=tuple(a.name for a in tensor_args(n)),
-                    shapes=tuple(_shape(v) for v in _vals(n)),
-                    dtypes=tuple(_dtype(v) for v in _vals(n)),
-                )
-            )
+            nodes.append(_node_plan(n, s, chosen, n in priced))
     return Plan(
         graph_fingerprint=captured.fingerprint,
         cluster=cluster.to_dict(),
@@ -65,6 +75,45 @@ def assemble_plan(
         predicted_peak_memory=float(peak_memory),
         solver=solver,
     )
+
+
+def _node_plan(
+    n: fx.Node, s: NodeStrategy, chosen: dict[fx.Node, NodeStrategy], priced: bool
+) -> NodePlan:
+    ops = operands(n)
+    indices = tuple(op.output_index for op in ops)
+    return NodePlan(
+        name=n.name,
+        op=_op_name(n),
+        inputs=tuple(spec_str(i) for i in s.inputs),
+        outputs=tuple(spec_str(o) for o in s.outputs),
+        layer=layer_of(n),
+        args=tuple(op.producer.name for op in ops),
+        shapes=tuple(_shape(v) for v in _vals(n)),
+        dtypes=tuple(_dtype(v) for v in _vals(n)),
+        arg_outputs=indices if any(i is not None for i in indices) else (),
+        reshards=reshards(n, s, chosen, priced),
+    )
+
+
+def reshards(
+    n: fx.Node, s: NodeStrategy, chosen: dict[fx.Node, NodeStrategy], priced: bool
+) -> tuple[int, ...]:
+    """Positions of the tensor operands of `n` whose spec differs from what their producer
+    gives; asserts that each such redistribution is priced (see the module docstring)."""
+    out = []
+    for pos, op in tensor_operands(n):
+        assert op.producer in chosen, f"{n.name}: producer {op} has no chosen strategy"
+        src = op.select(chosen[op.producer].outputs)
+        dst = s.inputs[pos] if pos < len(s.inputs) else None
+        if src is None or dst is None or same_spec(src, dst):
+            continue
+        assert priced, (
+            f"{n.name} takes operand {op} as {spec_str(dst)} but it is {spec_str(src)}, "
+            "and the search did not price that redistribution"
+        )
+        out.append(pos)
+    return tuple(out)
 
 
 def _vals(n: fx.Node) -> tuple:
@@ -82,6 +131,6 @@ def _dtype(v) -> str | None:
 
 def _op_name(n: fx.Node) -> str:
     target = n.target
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         return str(target).removeprefix("aten.")
     return getattr(target, "__name__", str(target))

@@ -1,15 +1,16 @@
 """Parity harness: a compiled model must train exactly like the single-device model.
 
 `run_parity(cases, world_size)` spawns `world_size` local gloo processes; in each, for every
-case it trains the sample on one device (the reference, computed locally by every rank) and
-with autopar under the case's mesh and strategy, for `steps` AdamW steps on the same global
-batch, and records the largest deviations of loss, gradients (this rank's shard against the
-same shard of the reference gradient) and final parameters. It also trains torch's own DDP
-on the same model and batch: DDP's parameter deviation is the yardstick for parameters
-(Adam divides by sqrt(v), so float noise in near-zero gradients moves a parameter by up to
-~lr per step whatever the parallelization).
+case it builds the model (a sample name or any model source `autopar.cli.sources` reads),
+trains it on one device (the reference, `autopar.testing.reference`, computed locally by
+every rank) and with autopar under the case's mesh and strategy, for `steps` AdamW steps on
+the same global batch, and records the largest deviations of loss, gradients (this rank's
+shard against the same shard of the reference gradient) and final parameters. It also
+trains torch's own DDP on the same model and batch: DDP's parameter deviation is the
+yardstick for parameters (Adam divides by sqrt(v), so float noise in near-zero gradients
+moves a parameter by up to ~lr per step whatever the parallelization).
 
-Used by the tests, by `autopar run` and by the README demo.
+Used by the multi-process tests (parity, pipelining, fusion, inductor).
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-LR = 1e-3
+from autopar.cli.sources import load_model
+from autopar.plan import Plan
+from autopar.testing.reference import LR, train_single_device
 
 
 @dataclass(frozen=True)
 class ParityCase:
-    sample: str
+    sample: str  # a sample name or a model source (module:factory, file.py:factory)
     mesh: tuple[int, ...]
     axis_names: tuple[str, ...]
     strategy: str | tuple[str, ...] = "auto"
@@ -65,7 +68,7 @@ class ParityResult:
     ddp_param_err: float = 0.0
     roles: dict[str, str] = field(default_factory=dict)
     param_specs: dict[str, str] = field(default_factory=dict)
-    fusion: list[str] = field(default_factory=list)  # the plan's fused kernels
+    fusion: list[str] = field(default_factory=list)  # fused kernels, else the fusion mode
     step_program: str = ""  # type of what each step ran (ParallelModel only)
     error: str | None = None
 
@@ -130,31 +133,6 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out_dir: str) -
         dist.destroy_process_group()
 
 
-def _build(case: ParityCase):
-    from samples import get_sample
-
-    sample = get_sample(case.sample)
-    torch.manual_seed(case.seed)
-    model = sample.build(case.config)
-    batch = sample.example_batch(model, case.batch_size, seed=case.seed)
-    return model, batch
-
-
-def reference_run(model, batch, steps: int):
-    """Single-device training: losses, per-step gradients, final parameters."""
-    model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads = [], []
-    for _ in range(steps):
-        loss = model(*batch)
-        loss.backward()
-        losses.append(loss.item())
-        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return losses, grads, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 def ddp_param_error(model, batch, steps: int, ref_params) -> float:
     """How far torch's DDP (world = all ranks, batch split on dim 0) lands from the reference."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -171,14 +149,21 @@ def ddp_param_error(model, batch, steps: int, ref_params) -> float:
     return max((state[k] - v).abs().max().item() for k, v in ref_params.items())
 
 
+def fused_kernels(plan: Plan) -> list[str]:
+    """The kernel of each fused region, or ["inductor"] when torch.compile runs the program."""
+    if plan.fusion == "inductor":
+        return ["inductor"]
+    return [r.kernel for r in plan.fused_regions]
+
+
 def run_case(case: ParityCase) -> ParityResult:
     import autopar
     from autopar.plan import parse_spec
-    from autopar.plan_views import axis_roles
     from autopar.runtime.shards import local_chunk
+    from autopar.views import axis_roles
 
-    model, batch = _build(case)
-    ref_losses, ref_grads, ref_params = reference_run(model, batch, case.steps)
+    model, batch = load_model(case.sample, case.config, case.batch_size, seed=case.seed)
+    ref = train_single_device(model, batch, case.steps)
     cluster = autopar.Cluster.local(mesh=case.mesh, axis_names=case.axis_names)
     pm = autopar.compile(
         model,
@@ -192,10 +177,10 @@ def run_case(case: ParityCase) -> ParityResult:
     )
     res = ParityResult(
         case.label,
-        ref_losses=ref_losses,
+        ref_losses=ref.losses,
         roles=dict(zip(pm.plan.stage_axis_names, axis_roles(pm.plan), strict=True)),
         param_specs={t.fqn: t.spec for t in pm.plan.tensors if t.kind == "param"},
-        fusion=[r["kernel"] for r in pm.plan.fusion],
+        fusion=fused_kernels(pm.plan),
         step_program=type(getattr(pm, "step_program", None)).__name__,
     )
     specs = {t.fqn: parse_spec(t.spec) for t in pm.plan.tensors if t.kind == "param"}
@@ -203,13 +188,13 @@ def run_case(case: ParityCase) -> ParityResult:
         loss = float(pm.forward_backward(*batch))
         res.losses.append(loss)
         for fqn, grad in pm.local_grads().items():
-            want = local_chunk(ref_grads[step][fqn], specs[fqn], pm.mesh)
+            want = local_chunk(ref.grads[step][fqn], specs[fqn], pm.mesh)
             err = (grad - want).abs().max().item()
             res.grad_abs_err = max(res.grad_abs_err, err)
             res.grad_err = max(res.grad_err, err / (want.abs().max().item() + 1e-12))
         pm.optimizer_step()
-    res.loss_rel_err = max(abs(a - b) / abs(b) for a, b in zip(res.losses, ref_losses, strict=True))
+    res.loss_rel_err = max(abs(a - b) / abs(b) for a, b in zip(res.losses, ref.losses, strict=True))
     full = pm.full_state_dict()
-    res.param_err = max((full[k] - v).abs().max().item() for k, v in ref_params.items())
-    res.ddp_param_err = ddp_param_error(model, batch, case.steps, ref_params)
+    res.param_err = max((full[k] - v).abs().max().item() for k, v in ref.state.items())
+    res.ddp_param_err = ddp_param_error(model, batch, case.steps, ref.state)
     return res

@@ -26,8 +26,7 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
-from autopar.kernels import _tiling  # noqa: E402
-from autopar.kernels.add_rms_norm import AddRMSNormFunction, add_rms_norm_fwd  # noqa: E402
+from autopar.kernels import _rowwise  # noqa: E402
 
 SHAPES = [(1823, 781), (3, 7, 129), (5, 1)]
 DTYPES = [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 2e-2, 2e-2)]
@@ -117,19 +116,18 @@ def test_unused_sum_gradient_is_not_materialized() -> None:
     assert not any("zeros" in str(n.target) for n in gm.graph.nodes)
 
 
-@pytest.mark.parametrize("apply", [OP, AddRMSNormFunction.apply])
-def test_one_output_used(apply) -> None:
+def test_one_output_used() -> None:
     """Either output alone: only ``y`` matches the op with both used and ``ds = 0``; only
     ``s`` gives ``dx = dresidual = ds`` and no weight gradient."""
     x, r, w = _inputs((3, 5, 17), torch.float32)[:3]
-    y, s = apply(x, r, w, EPS)
+    y, s = OP(x, r, w, EPS)
     dy = torch.randn_like(y)
     got = torch.autograd.grad((y,), (x, r, w), (dy,))
     y, s = OP(x, r, w, EPS)
     want = torch.autograd.grad((y, s), (x, r, w), (dy, torch.zeros_like(s)))
     for a, e in zip(got, want, strict=True):
         torch.testing.assert_close(a, e, atol=0, rtol=0)
-    y, s = apply(x, r, w, EPS)
+    y, s = OP(x, r, w, EPS)
     ds = torch.randn_like(s)
     dx, dr, dw = torch.autograd.grad((s,), (x, r, w), (ds,), allow_unused=True)
     torch.testing.assert_close(dx, ds, atol=0, rtol=0)
@@ -137,23 +135,19 @@ def test_one_output_used(apply) -> None:
     assert dw is None or not dw.any()
 
 
-def test_autograd_function() -> None:
-    _check(AddRMSNormFunction.apply, (3, 7, 129), torch.bfloat16, 2e-2, 2e-2)
-
-
 def test_gpu_tiling(monkeypatch) -> None:
     """The GPU's smaller tiles (several tiles per persistent backward program)."""
-    monkeypatch.setattr(_tiling, "INTERPRETER_TILE_ELEMS", _tiling.TILE_ELEMS)
-    assert _tiling.row_tiling(67, 781).block_m == 4
+    monkeypatch.setattr(_rowwise, "INTERPRETER_TILE_ELEMS", _rowwise.TILE_ELEMS)
+    assert _rowwise.row_tiling(67, 781).block_m == 4
     _check(OP, (67, 781), torch.float32, 1e-5, 1e-5)
 
 
 def test_rejects_mismatched_inputs() -> None:
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match="must match"):
-        add_rms_norm_fwd(x, x.bfloat16(), None, EPS)
+        OP(x, x.bfloat16(), None, EPS)
     with pytest.raises(ValueError, match="weight shape"):
-        add_rms_norm_fwd(x, x, torch.randn(9), EPS)
+        OP(x, x, torch.randn(9), EPS)
 
 
 def test_one_graph_node_each_way() -> None:

@@ -22,8 +22,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
-from autopar.kernels import _tiling  # noqa: E402
-from autopar.kernels.bias_gelu import BiasGeluFunction, bias_gelu_fwd  # noqa: E402
+from autopar.kernels import _rowwise  # noqa: E402
 
 SHAPES = [(1823, 781), (3, 7, 129), (5, 1)]
 DTYPES = [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 2e-2, 2e-2)]
@@ -60,23 +59,19 @@ def test_matches_reference(shape, dtype, atol, rtol, approximate) -> None:
     _check(OP, shape, dtype, atol, rtol, approximate)
 
 
-def test_autograd_function() -> None:
-    _check(BiasGeluFunction.apply, (3, 7, 129), torch.bfloat16, 2e-2, 2e-2, "tanh")
-
-
 def test_gpu_tiling(monkeypatch) -> None:
     """The GPU's smaller tiles (several tiles per persistent backward program)."""
-    monkeypatch.setattr(_tiling, "INTERPRETER_TILE_ELEMS", _tiling.TILE_ELEMS)
-    assert _tiling.row_tiling(67, 781).block_m == 4
+    monkeypatch.setattr(_rowwise, "INTERPRETER_TILE_ELEMS", _rowwise.TILE_ELEMS)
+    assert _rowwise.row_tiling(67, 781).block_m == 4
     _check(OP, (67, 781), torch.float32, 1e-5, 1e-5, "none")
 
 
 def test_rejects_bad_arguments() -> None:
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match="approximate"):
-        bias_gelu_fwd(x, torch.randn(8), "sigmoid")
+        OP(x, torch.randn(8), "sigmoid")
     with pytest.raises(ValueError, match="bias shape"):
-        bias_gelu_fwd(x, torch.randn(4, 8))
+        OP(x, torch.randn(4, 8))
 
 
 def test_one_graph_node_each_way() -> None:

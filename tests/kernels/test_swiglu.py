@@ -19,8 +19,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
-from autopar.kernels import _tiling  # noqa: E402
-from autopar.kernels.swiglu import SwiGLUFunction, swiglu_fwd  # noqa: E402
+from autopar.kernels import _rowwise  # noqa: E402
 
 SHAPES = [(1823, 781), (3, 7, 129), (5, 1)]
 DTYPES = [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 2e-2, 2e-2)]
@@ -53,20 +52,16 @@ def test_matches_reference(shape, dtype, atol, rtol) -> None:
     _check(OP, shape, dtype, atol, rtol)
 
 
-def test_autograd_function() -> None:
-    _check(SwiGLUFunction.apply, (3, 7, 129), torch.bfloat16, 2e-2, 2e-2)
-
-
 def test_gpu_tiling(monkeypatch) -> None:
     """The GPU's smaller tiles (many programs, masked last tile)."""
-    monkeypatch.setattr(_tiling, "INTERPRETER_TILE_ELEMS", _tiling.TILE_ELEMS)
-    assert _tiling.row_tiling(67, 781).block_m == 4
+    monkeypatch.setattr(_rowwise, "INTERPRETER_TILE_ELEMS", _rowwise.TILE_ELEMS)
+    assert _rowwise.row_tiling(67, 781).block_m == 4
     _check(OP, (67, 781), torch.float32, 1e-5, 1e-5)
 
 
 def test_rejects_mismatched_inputs() -> None:
     with pytest.raises(ValueError, match="must match"):
-        swiglu_fwd(torch.randn(4, 8), torch.randn(4, 9))
+        OP(torch.randn(4, 8), torch.randn(4, 9))
 
 
 def test_one_graph_node_each_way() -> None:

@@ -4,8 +4,9 @@
 (see :mod:`.enumerate` for the per-node contract). Strategies come from DTensor's own
 registry (:mod:`.from_dtensor`) first, and from autopar's rules (:mod:`.rules`, one file per
 op family, ``@register_rule(op)``) for ops DTensor does not cover. Importing this package
-also registers autopar's rules into DTensor's propagator (idempotently), so that eager
-DTensor execution of a plan agrees with planning it.
+leaves DTensor's registry alone: :func:`register_dtensor_rules` (idempotent; called by
+``enumerate_strategies`` and by lowering) registers autopar's DTensor strategies, so that
+eager DTensor execution of a plan agrees with planning it.
 """
 
 from autopar.passes.strategies.enumerate import (
@@ -13,7 +14,7 @@ from autopar.passes.strategies.enumerate import (
     node_strategies,
     storage_specs,
 )
-from autopar.passes.strategies.rules import RULES, register_rule
+from autopar.passes.strategies.rules import RULES, register_dtensor_rules, register_rule
 from autopar.passes.strategies.spec import (
     NodeStrategy,
     Spec,
@@ -31,6 +32,7 @@ __all__ = [
     "is_valid_spec",
     "node_strategies",
     "placement_str",
+    "register_dtensor_rules",
     "register_rule",
     "spec_str",
     "storage_specs",

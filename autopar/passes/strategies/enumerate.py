@@ -11,7 +11,8 @@ Nodes are visited in graph (topological) order. Per node kind:
 * call_function with no tensor input (arange, full, scalar_tensor, ...): all-Replicate.
 * an op with an autopar rule (``rules/``): the rule's strategies.
 * any other op: DTensor's registry (:mod:`.from_dtensor`); an op DTensor cannot handle
-  gets only the all-Replicate strategy (logged once per op).
+  gets only the all-Replicate strategy (a warning once per op and enumeration, naming the
+  user's source line).
 
 Every call_function node's list contains the all-Replicate strategy (all tensor inputs
 and outputs ``R``), first; duplicates are removed. Nodes that produce no tensor and are
@@ -23,7 +24,6 @@ prices that resharding on the edge.
 from __future__ import annotations
 
 import itertools
-import logging
 import operator
 
 import torch
@@ -32,24 +32,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from autopar.capture.operands import operands, tensor_operands
 from autopar.passes.strategies.from_dtensor import (
     Candidates,
+    dtensor_enumeration,
     dtensor_strategies,
-    no_redistribute_costs,
+    report_replicated,
 )
-from autopar.passes.strategies.rules import get_rule
+from autopar.passes.strategies.rules import get_rule, register_dtensor_rules
 from autopar.passes.strategies.spec import (
     NodeStrategy,
     Spec,
-    is_tensor_node,
     is_valid_spec,
     output_vals,
     replicate_spec,
-    tensor_inputs,
 )
-
-log = logging.getLogger(__name__)
-_warned: set[object] = set()
 
 
 def storage_specs(shape: torch.Size, mesh_shape: tuple[int, ...]) -> list[Spec]:
@@ -65,29 +62,29 @@ def storage_specs(shape: torch.Size, mesh_shape: tuple[int, ...]) -> list[Spec]:
 def replicate_strategy(node: fx.Node, ndim: int) -> NodeStrategy:
     """All tensor inputs and all tensor outputs replicated."""
     rep = replicate_spec(ndim)
-    ins = tuple(rep if is_tensor_node(i) else None for i in tensor_inputs(node))
+    ins = tuple(rep if op.tensor is not None else None for op in operands(node))
     outs = tuple(None if v is None else rep for v in output_vals(node))
     return NodeStrategy(ins, outs)
 
 
 def _getitem_strategies(node: fx.Node, table: dict[fx.Node, list[NodeStrategy]]) -> list:
-    producer, index = node.args
+    (op,) = operands(node)
     return [
-        NodeStrategy((s.outputs[index],), (s.outputs[index],))  # type: ignore[index]
-        for s in table[producer]  # type: ignore[index]
+        NodeStrategy((op.select(s.outputs),), (op.select(s.outputs),)) for s in table[op.producer]
     ]
 
 
 def _candidates(node: fx.Node, table: dict[fx.Node, list[NodeStrategy]], ndim: int) -> Candidates:
-    """Per tensor input of ``node``: the distinct output specs its producer may have."""
+    """Per tensor input of ``node``: the distinct specs its operand (the producer's
+    selected output) may have."""
     cands: Candidates = {}
-    for inp in tensor_inputs(node):
+    for op in operands(node):
         specs: dict[str, Spec] = {}
-        for s in table.get(inp, []):
-            out = s.outputs[0] if s.outputs else None
+        for s in table.get(op.producer, []):
+            out = op.select(s.outputs)
             if out is not None:
                 specs.setdefault("".join(map(str, out)), out)
-        cands[inp] = list(specs.values()) or [replicate_spec(ndim)]
+        cands[op.producer] = list(specs.values()) or [replicate_spec(ndim)]
     return cands
 
 
@@ -103,20 +100,15 @@ def _op_strategies(
 ) -> list[NodeStrategy]:
     """Strategies of a call_function node other than getitem; all-Replicate first."""
     rep = replicate_strategy(node, mesh.ndim)
-    if not any(is_tensor_node(i) for i in tensor_inputs(node)):
+    if not tensor_operands(node):
         return [rep]
     rule = get_rule(node.target)
     if rule is not None:
         found = rule(node, mesh)
     else:
-        try:
-            found = dtensor_strategies(node, mesh, _candidates(node, table, mesh.ndim))
-        except Exception:  # noqa: BLE001 - one op DTensor chokes on must not stop planning
-            log.exception("DTensor strategies failed for %s", node.format_node())
-            found = []
-        if not found and node.target not in _warned:
-            _warned.add(node.target)
-            log.warning("no sharding strategies for %s: planning it replicated", node.target)
+        found = dtensor_strategies(node, mesh, _candidates(node, table, mesh.ndim))
+        if not found:
+            report_replicated(node)
     return _dedup([rep, *found])
 
 
@@ -168,7 +160,8 @@ def enumerate_strategies(gm: fx.GraphModule, mesh: DeviceMesh) -> dict[fx.Node, 
     """Candidate strategies per node of ``gm`` (ATen graph with ``meta["val"]``) on ``mesh``."""
     table: dict[fx.Node, list[NodeStrategy]] = {}
     memo: dict[str, list[NodeStrategy]] = {}
-    with no_redistribute_costs():
+    register_dtensor_rules()
+    with dtensor_enumeration():
         for node in gm.graph.nodes:
             found = node_strategies(node, mesh, table, memo)
             if found is not None:

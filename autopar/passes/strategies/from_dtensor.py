@@ -2,32 +2,44 @@
 
 Three sources, tried in this order by :func:`dtensor_strategies`:
 
-1. *Single-mesh-dim rules* (``op_single_dim_strategy_funcs``: mm, addmm, pointwise ops,
-   layer norm, embedding, ...). A rule ``[out..., in...]`` holds for one mesh axis, with
-   ``_ShardingPlaceholder(d)`` meaning ``Shard(d)``; DTensor adds the all-Replicate rule
-   implicitly. An N-D strategy picks one rule per axis (the Cartesian product), exactly as
-   DTensor's ``expand_to_full_mesh_op_strategy`` does at run time.
-2. *Op-strategy functions* (``op_strategy_funcs``: views, reductions, softmax, nll_loss,
-   split, cat, ...). These take an ``OpSchema`` whose tensor args are ``OpStrategy`` objects
-   and mostly *follow* their inputs, so each input is offered the distinct output specs of
-   its producer's strategies; we read back each returned ``OpSpec``'s input/output specs.
-   An ``OpSpec`` whose inputs differ from what the producer offers is kept: the search
-   prices that resharding on the edge.
-3. *Decomposition-based propagation* (``DecompShardingStrategy``) for ops in neither table:
-   DTensor traces the op's decomposition once per single-axis input placement.
+1. *Single-mesh-dim rules* (:func:`~autopar._compat.single_dim_rule`: mm, addmm,
+   pointwise ops, layer norm, embedding, ...). A rule ``[out..., in...]`` holds for one
+   mesh axis, with ``ShardingPlaceholder(d)`` meaning ``Shard(d)``; DTensor adds the
+   all-Replicate rule implicitly. An N-D strategy picks one rule per axis (the Cartesian
+   product), exactly as DTensor's ``expand_to_full_mesh_op_strategy`` does at run time.
+2. *Op-strategy functions* (:func:`~autopar._compat.op_strategy_func`: views, reductions,
+   softmax, nll_loss, split, cat, ...). These take an ``OpSchema`` whose tensor args are
+   ``OpStrategy`` objects and mostly *follow* their inputs, so each input is offered the
+   distinct output specs of its producer's strategies; we read back each returned
+   ``OpSpec``'s input/output specs. An ``OpSpec`` whose inputs differ from what the
+   producer offers is kept: the search prices that resharding on the edge.
+3. *Decomposition-based propagation* (:func:`~autopar._compat.decomp_strategy`) for ops in
+   neither table: DTensor traces the op's decomposition once per single-axis input
+   placement.
 
 Every result is filtered by :func:`~autopar.passes.strategies.spec.is_valid_spec` (no
 strided shards, no max/min partials, avg only on 0-d tensors, even division). Strategy
 functions also price every (candidate, strategy) pair with DTensor's redistribute-cost
-model, quadratic in the candidates; :func:`no_redistribute_costs` stubs that out while
+model, quadratic in the candidates; :func:`dtensor_enumeration` turns that off while
 enumerating (the search prices resharding with autopar's own cost model).
+
+DTensor is reached only through :mod:`autopar._compat`. A source that rejects the node's
+arguments with one of :data:`~autopar._compat.NO_STRATEGY_ERRORS` contributes nothing; any
+other exception is a bug and propagates. An op left with no strategy is planned replicated
+and reported by :func:`report_replicated`, once per op and per enumeration, with the user's
+source line.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
+import os
+import re
 from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +49,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar._compat import (
-    DecompShardingStrategy,
+    NO_STRATEGY_ERRORS,
     DTensorSpec,
     OpSchema,
     OpSpec,
@@ -45,12 +57,11 @@ from autopar._compat import (
     ShardingPlaceholder,
     TensorMeta,
     TupleStrategy,
-    dtensor_math_ops,
-    dtensor_matrix_ops,
-    dtensor_ops_utils,
-    dtensor_tensor_ops,
-    dtensor_view_ops,
-    sharding_propagator,
+    decomp_strategy,
+    no_dtensor_redistribute_costs,
+    op_schema_info,
+    op_strategy_func,
+    single_dim_rule,
 )
 from autopar.passes.strategies.spec import (
     NodeStrategy,
@@ -61,38 +72,66 @@ from autopar.passes.strategies.spec import (
     tensor_inputs,
 )
 
+log = logging.getLogger(__name__)
 Candidates = dict[fx.Node, list[Spec]]  # per producer node: the output specs it may have
 MAX_COMBOS = 512
 
 
-_COST_HOOK_MODULES = (
-    dtensor_math_ops,
-    dtensor_matrix_ops,
-    dtensor_ops_utils,
-    dtensor_tensor_ops,
-    dtensor_view_ops,
-)
-
-
-def _zero_costs(src_strategy: OpStrategy, dst_spec: DTensorSpec) -> list[float]:
-    return [0.0] * len(src_strategy.strategies)
+# op targets already reported as planned replicated, per enumeration (None: outside one)
+_reported: ContextVar[set[object] | None] = ContextVar("autopar_reported", default=None)
 
 
 @contextlib.contextmanager
-def no_redistribute_costs() -> Iterator[None]:
-    """Stub out DTensor's redistribute-cost estimate while enumerating.
-
-    Strategy functions price every (input candidate, strategy) pair, which is quadratic in
-    the candidates and 95% of the time on a 3-D mesh; the search prices resharding itself.
-    """
-    saved = [(m, m.generate_redistribute_costs) for m in _COST_HOOK_MODULES]
+def dtensor_enumeration() -> Iterator[None]:
+    """The context one enumeration of a graph runs in: DTensor's redistribute costs off
+    (:func:`~autopar._compat.no_dtensor_redistribute_costs`), and each op planned
+    replicated for want of a strategy reported once (:func:`report_replicated`)."""
+    token = _reported.set(set())
     try:
-        for m, _ in saved:
-            m.generate_redistribute_costs = _zero_costs
-        yield
+        with no_dtensor_redistribute_costs():
+            yield
     finally:
-        for m, fn in saved:
-            m.generate_redistribute_costs = fn
+        _reported.reset(token)
+
+
+def report_replicated(node: fx.Node) -> None:
+    """Warn that ``node``'s op has no sharding strategy and is planned replicated: once per
+    op target within :func:`dtensor_enumeration`, naming the op and the user's line."""
+    seen = _reported.get()
+    if seen is not None:
+        if node.target in seen:
+            return
+        seen.add(node.target)
+    log.warning(
+        "no sharding strategy for %s: planned replicated (every rank computes it whole)%s",
+        node.target,
+        source_line(node),
+    )
+
+
+# library frames by package directory (a user's checkout may itself be named autopar)
+_LIBRARIES = (
+    str(Path(torch.__file__).resolve().parent) + os.sep,
+    str(Path(__file__).resolve().parents[2]) + os.sep,  # the autopar package
+)
+_FRAME = re.compile(r'\s*File "([^"]+)", line (\d+)')
+
+
+def source_line(node: fx.Node) -> str:
+    """The user's frame that produced ``node`` (the innermost frame of its export stack
+    trace outside torch and autopar) as a new line ``  at file:line: code``; "" if unknown."""
+    frames: list[list[str]] = []  # [file, line, code]
+    for text in (node.meta.get("stack_trace") or "").splitlines():
+        match = _FRAME.match(text)
+        if match:
+            frames.append([match.group(1), match.group(2), ""])
+        elif frames and not frames[-1][2]:
+            frames[-1][2] = text.strip()
+    user = [f for f in frames if not str(Path(f[0]).resolve()).startswith(_LIBRARIES)]
+    if not user:
+        return ""
+    path, line, code = user[-1]
+    return f"\n  at {path}:{line}: {code}"
 
 
 def tensor_meta(val: torch.Tensor) -> TensorMeta:
@@ -179,7 +218,11 @@ def _fill_rule(rule: Sequence[Any]) -> list[Placement | None] | None:
 def single_dim_strategies(node: fx.Node, mesh: DeviceMesh, info: Any) -> list[NodeStrategy]:
     """Strategies of an op registered with a single-mesh-dim rule function."""
     args, kwargs = _map_args(node, lambda n: tensor_meta(n.meta["val"]))
-    raw = info(node.target, args, kwargs)
+    try:
+        raw = info(node.target, args, kwargs)
+    except NO_STRATEGY_ERRORS:
+        log.debug("DTensor's rule rejects %s", node.format_node(), exc_info=True)
+        return []
     n_in = len(tensor_inputs(node))
     n_out = len(output_vals(node))
     rules = [r for r in (_fill_rule(rule) for rule in raw) if r is not None]
@@ -208,7 +251,7 @@ def _call_op_strategy(
     node: fx.Node, mesh: DeviceMesh, func: Callable, cands: Candidates
 ) -> list[OpSpec]:
     args, kwargs = _map_args(node, lambda n: _op_strategy(cands[n], n.meta["val"], mesh))
-    info = sharding_propagator().op_to_schema_info.get(node.target)
+    info = op_schema_info(node.target)
     result = func(OpSchema(node.target, args, kwargs, schema_info=info))
     # TupleStrategy: foreach-style ops, not met in training forwards
     return result.strategies if isinstance(result, OpStrategy) else []
@@ -220,16 +263,16 @@ def _op_specs(node: fx.Node, mesh: DeviceMesh, func: Callable, cands: Candidates
     DTensor does at run time (up to ``MAX_COMBOS`` combinations)."""
     try:
         return _call_op_strategy(node, mesh, func, cands)
-    except Exception:  # noqa: BLE001 - retried below with one candidate per input
-        pass
+    except NO_STRATEGY_ERRORS:
+        pass  # retried below with one candidate per input
     inputs = list(dict.fromkeys(cands))
     found: list[OpSpec] = []
     for combo in itertools.islice(itertools.product(*(cands[i] for i in inputs)), MAX_COMBOS):
         single = {i: [spec] for i, spec in zip(inputs, combo, strict=True)}
         try:
             found.extend(_call_op_strategy(node, mesh, func, single))
-        except Exception:  # noqa: BLE001 - DTensor rejects this input combination
-            continue
+        except NO_STRATEGY_ERRORS:
+            continue  # DTensor rejects this input combination
     return found
 
 
@@ -260,17 +303,13 @@ def _seed_spec(val: torch.Tensor, mesh: DeviceMesh) -> DTensorSpec:
 
 
 def decomp_strategies(node: fx.Node, mesh: DeviceMesh) -> list[NodeStrategy]:
-    """Strategies found by tracing the op's decomposition (empty when that fails)."""
-    op = node.target
-    if not isinstance(op, torch._ops.OpOverload) or not DecompShardingStrategy.has_decomp(op):
-        return []
-    args, kwargs = _map_args(node, lambda n: _seed_spec(n.meta["val"], mesh))
+    """Strategies found by tracing the op's decomposition (empty when there is none)."""
     # _map_args only wraps OpStrategy lists; DTensorSpec lists stay lists, as DTensor expects.
-    sp = sharding_propagator()
-    sp.decomp_strategy.ensure_schema_info(op)
+    args, kwargs = _map_args(node, lambda n: _seed_spec(n.meta["val"], mesh))
     try:
-        result = sp.decomp_strategy.propagate_strategy(OpSchema(op, args, kwargs))
-    except Exception:  # noqa: BLE001 - any failure means "no strategies from here"
+        result = decomp_strategy(node.target, args, kwargs)
+    except NO_STRATEGY_ERRORS:
+        log.debug("DTensor's decomposition rejects %s", node.format_node(), exc_info=True)
         return []
     if result is None:
         return []
@@ -286,12 +325,11 @@ def decomp_strategies(node: fx.Node, mesh: DeviceMesh) -> list[NodeStrategy]:
 
 
 def dtensor_strategies(node: fx.Node, mesh: DeviceMesh, cands: Candidates) -> list[NodeStrategy]:
-    """Strategies for ``node`` from DTensor's registry, or [] if DTensor knows nothing."""
-    sp = sharding_propagator()
-    info = sp.op_single_dim_strategy_funcs.get(node.target)
-    if info is not None:
-        return single_dim_strategies(node, mesh, info)
-    func = sp.op_strategy_funcs.get(node.target)
+    """Strategies for ``node`` from DTensor's registry, or [] if DTensor has none for it."""
+    rule = single_dim_rule(node.target)
+    if rule is not None:
+        return single_dim_strategies(node, mesh, rule)
+    func = op_strategy_func(node.target)
     if func is not None:
         return op_strategy_strategies(node, mesh, func, cands)
     return decomp_strategies(node, mesh)

@@ -25,6 +25,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar._compat import MaskPartial
+from autopar.capture.operands import operands
 
 Spec = tuple[Placement, ...]
 
@@ -110,15 +111,14 @@ def replicate_spec(ndim: int) -> Spec:
 
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    """The node's input nodes in flattened (args, kwargs) order, repeats kept.
+    """The producers of the node's operands (:func:`autopar.capture.operands.operands`):
+    input nodes in flattened (args, kwargs) order, repeats kept.
 
     ``NodeStrategy.inputs[i]`` is the spec for ``tensor_inputs(node)[i]`` (None where that
-    input is not a tensor, e.g. a SymInt). Exception: the one input of an
-    ``operator.getitem`` is a multi-output node, and its spec is that of the selected output.
+    input is not a tensor, e.g. a SymInt). For an ``operator.getitem`` of a multi-output
+    node, the spec is that of the selected output (see :class:`Operand`).
     """
-    found: list[fx.Node] = []
-    fx.node.map_arg((node.args, node.kwargs), found.append)
-    return found
+    return [op.producer for op in operands(node)]
 
 
 def is_tensor_node(node: fx.Node) -> bool:

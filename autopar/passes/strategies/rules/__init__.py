@@ -2,10 +2,15 @@
 
 One file per op family. A rule is ``rule(node, mesh) -> list[NodeStrategy]`` registered with
 ``@register_rule(op, ...)``; it is consulted before DTensor's registry, so a rule may also
-override a DTensor strategy that plans must not use. A rule whose op also runs in eager
-DTensor programs registers the equivalent DTensor strategy (``register_dtensor``) so that
-executing a plan agrees with planning it. Importing this package registers everything;
-registration is idempotent.
+override a DTensor strategy that plans must not use. Importing this package fills autopar's
+own table (:data:`RULES`) and leaves DTensor's registry alone.
+
+A rule whose op also runs in eager DTensor programs has an equivalent DTensor strategy,
+registered into DTensor's propagator only by an explicit call: :func:`register_dtensor_rules`
+(idempotent), which strategy enumeration and lowering call before DTensor sees such an op.
+The fused kernels' ops exist only once :mod:`autopar.kernels` is imported; their rules and
+DTensor strategies are registered by :func:`autopar.passes.strategies.rules.fused.register`,
+which the fusion pass calls before it puts a fused op in a graph.
 """
 
 from __future__ import annotations
@@ -13,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch.fx as fx
-from torch._ops import OpOverload
 from torch.distributed.device_mesh import DeviceMesh
 
+from autopar._compat import OpOverload
 from autopar.passes.strategies.spec import NodeStrategy
 
 Rule = Callable[[fx.Node, DeviceMesh], list[NodeStrategy]]
@@ -38,4 +43,11 @@ def get_rule(op: object) -> Rule | None:
     return RULES.get(op)  # type: ignore[call-overload]
 
 
-from autopar.passes.strategies.rules import attention, fused  # noqa: E402, F401  (registers rules)
+def register_dtensor_rules() -> None:
+    """Register autopar's DTensor strategies (the CPU flash-attention kernels that eager
+    DTensor programs reach from ``scaled_dot_product_attention``) into DTensor's
+    propagator. Idempotent; never run on import."""
+    attention.register_dtensor()
+
+
+from autopar.passes.strategies.rules import attention, fused  # noqa: E402, F401  (fill RULES)

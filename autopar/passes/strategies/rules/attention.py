@@ -19,7 +19,8 @@ offered: it needs ring attention or gathered k/v.
 search sees :func:`sdpa_rule`. Eager DTensor programs on CPU reach the fused kernels
 ``_scaled_dot_product_flash_attention_for_cpu`` (outputs: out, logsumexp ``[B, H, T]``) and
 its ``_backward``, which DTensor's registry lacks; :func:`register_dtensor` adds the same
-rules for them so that running a plan agrees with planning it.
+rules for them so that running a plan agrees with planning it. It runs when autopar plans
+or lowers (:func:`autopar.passes.strategies.rules.register_dtensor_rules`), never on import.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from autopar._compat import (
     OpStrategy,
     RuntimeSchemaInfo,
     expand_to_full_mesh_op_strategy,
-    sharding_propagator,
+    op_strategy_func,
+    register_op_strategy,
 )
 from autopar.passes.strategies.from_dtensor import expand_per_axis
 from autopar.passes.strategies.rules import register_rule
@@ -107,12 +109,9 @@ def flash_cpu_backward_strategy(op_schema: OpSchema) -> OpStrategy:
 
 def register_dtensor() -> None:
     """Register the CPU flash-attention strategies into DTensor (idempotent)."""
-    sp = sharding_propagator()
+    if op_strategy_func(FLASH_CPU_BWD) is flash_cpu_backward_strategy:
+        return
     info = RuntimeSchemaInfo(static_argnum=3, static_kwargkey=["attn_mask", "scale"])
-    sp.register_op_strategy(FLASH_CPU, flash_cpu_strategy, schema_info=info)
+    register_op_strategy(FLASH_CPU, flash_cpu_strategy, info)
     bwd_info = RuntimeSchemaInfo(static_argnum=6, static_kwargkey=["attn_mask", "scale"])
-    sp.register_op_strategy(FLASH_CPU_BWD, flash_cpu_backward_strategy, schema_info=bwd_info)
-    sp.propagate_op_sharding.cache_clear()
-
-
-register_dtensor()
+    register_op_strategy(FLASH_CPU_BWD, flash_cpu_backward_strategy, bwd_info)

@@ -51,11 +51,12 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar._compat import (
+    OpOverload,
     OpSchema,
     OpStrategy,
     RuntimeSchemaInfo,
     expand_to_full_mesh_op_strategy,
-    sharding_propagator,
+    register_op_strategy,
 )
 from autopar.passes.strategies.from_dtensor import expand_per_axis
 from autopar.passes.strategies.rules import RULES, register_rule
@@ -136,7 +137,7 @@ def dtensor_strategy(name: str) -> Callable[[OpSchema], OpStrategy]:
     return strategy
 
 
-def _ops() -> dict[str, torch._ops.OpOverload]:
+def _ops() -> dict[str, OpOverload]:
     import autopar.kernels  # noqa: F401  (defines torch.ops.autopar.*)
 
     return {name: getattr(torch.ops.autopar, name).default for name in ROLES}
@@ -154,9 +155,6 @@ def register() -> None:
     if all(op in RULES for op in forward):
         return
     register_rule(*forward)(fused_rule)
-    sp = sharding_propagator()
     for name, op in ops.items():
         # every argument is hashed: None-ness of weight/bias/ds changes the rules
-        info = RuntimeSchemaInfo(static_argnum=0)
-        sp.register_op_strategy(op, dtensor_strategy(name), schema_info=info)
-    sp.propagate_op_sharding.cache_clear()
+        register_op_strategy(op, dtensor_strategy(name), RuntimeSchemaInfo(static_argnum=0))

@@ -1,13 +1,4 @@
-"""Fusion: replace matched regions of the captured forward graph by one autopar kernel call.
-
-``fuse_regions(captured, kernels="triton") -> list[FusedRegion]`` rewrites ``captured.gm``
-(core ATen, after capture, before planning) in place. Each matched region becomes one call
-of an ``autopar::*`` custom op (:mod:`autopar.kernels`) followed by ``getitem`` nodes for
-its outputs. The search then plans the fused op like any other node (strategies:
-:mod:`autopar.passes.strategies.rules.fused`), and lowering runs it on DTensors (the fused
-forward and backward ops are registered into DTensor's propagator), so the per-rank program
-holds one fused node in forward and one in backward, with collectives only around it: a
-fused region never spans a collective, by construction.
+"""The fusion pass's table of (pattern, handler): what a fusable region looks like.
 
 Patterns (``PATTERNS``: name, matcher, handler), tried in this order:
 
@@ -23,98 +14,30 @@ Patterns (``PATTERNS``: name, matcher, handler), tried in this order:
   Its ``s`` is handled as for LayerNorm.
 * ``swiglu``: ``mul(silu(a), b)`` where ``silu`` is ``aten.silu`` or its decomposition
   ``mul(a, sigmoid(a))``, single-use, ``a`` and ``b`` of the same shape and dtype.
-
 * ``bias_gelu``: ``gelu(view(addmm(b, x, w)))`` (GPT's MLP up-projection; the view to
   the 3-D activation optional, and keeping the last dim), ``approximate`` "none" or
   "tanh" -> ``bias_gelu(view(mm(x, w)), b, approximate)``: the addmm is swapped for an
   ``mm`` (:attr:`Match.swaps`) and the kernel adds the bias. Numerics: the bias
   is added in fp32 to the rounded matmul (addmm may add it inside the GEMM), one ulp.
-
 * ``linear_cross_entropy``: the head and the loss, ``getitem(nll_loss_forward(
   _log_softmax(views(mm(x, permute(W, [1, 0]))), 1), t, None, mean, ii), 0)`` ->
   ``getitem(linear_cross_entropy(x, W, None, t, ii, 0.0, "sum"), 0) / sum(t != ii)`` (an
   epilogue, :attr:`Match.epilogue`): the kernel's sum is exact under any row sharding and
   the mean's divisor is the global count, so dp needs no assumption on ignored rows.
-
-Every new node gets ``meta["val"]`` (the op's fake implementation run on the inputs' fake
-values) and the ``nn_module_stack`` / ``stack_trace`` of the last node it replaces, so
-layer grouping (:func:`autopar.capture.layer_of`) keeps working. The captured graph's
-fingerprint is recomputed when anything was fused (a plan of the unfused graph then does
-not apply to the fused one).
-
-Kernels run only when :func:`autopar.kernels.available` (a CUDA device, or
-``TRITON_INTERPRET=1`` set before triton is imported); otherwise the graph is left as is.
 """
 
 from __future__ import annotations
 
-import logging
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 
-from autopar.capture.export import Captured, graph_fingerprint
+from autopar._compat import OpOverload
+from autopar.passes.fusion.rewrite import Match, Pattern, emit
 
-log = logging.getLogger(__name__)
 aten = torch.ops.aten
-
-KERNELS = ("triton", "inductor", "none")
-WHOLE_PROGRAM = "*"  # the node of the "inductor" region: every rank's whole step program
-_UNAVAILABLE = (
-    "Triton kernels unavailable (no GPU, TRITON_INTERPRET unset): leaving the graph unfused"
-)
-_warned_unavailable = False
-
-
-@dataclass(frozen=True, slots=True)
-class FusedRegion:
-    """One fused region: the kernel (``autopar::<kernel>``), the fused node's name in
-    ``captured.gm`` and the names of the nodes it replaced, in graph order."""
-
-    kernel: str
-    node: str
-    replaced: tuple[str, ...]
-
-    def to_dict(self) -> dict[str, object]:
-        return {"kernel": self.kernel, "node": self.node, "replaced": list(self.replaced)}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> FusedRegion:
-        return cls(str(d["kernel"]), str(d["node"]), tuple(d["replaced"]))
-
-
-@dataclass
-class Match:
-    """A matched region.
-
-    ``replaced``: every node the fused op makes dead (erased after rewiring); ``outputs``:
-    (node, index) pairs, the uses of ``node`` then read output ``index`` of the fused op
-    (``None``: the op returns a single tensor); ``args``: the fused op's arguments;
-    ``swaps``: ``(node, op, args)``, a node of the region that stays but becomes another op
-    with the same output (``addmm`` -> ``mm`` when the bias moves into the kernel); ``args``
-    may name it and then read the new node; ``epilogue(graph, out)``: builds nodes after the
-    fused op's (single) output ``out`` and returns the one the region's users then read.
-    """
-
-    replaced: list[fx.Node]
-    outputs: list[tuple[fx.Node, int | None]]
-    args: tuple
-    swaps: list[tuple[fx.Node, torch._ops.OpOverload, tuple]] = field(default_factory=list)
-    epilogue: Callable[[fx.Graph, fx.Node], fx.Node] | None = None
-
-
-class Pattern(NamedTuple):
-    """``matcher(node)`` is tried on every call_function node (the region's last op) and
-    returns a :class:`Match` or None; ``handler()`` gives the fused custom op."""
-
-    name: str
-    matcher: Callable[[fx.Node], Match | None]
-    handler: Callable[[], torch._ops.OpOverload]
 
 
 def _is(node: object, *targets: object) -> bool:
@@ -386,9 +309,9 @@ def match_linear_cross_entropy(node: fx.Node) -> Match | None:
         return None
 
     def mean(graph: fx.Graph, total: fx.Node) -> fx.Node:
-        counted = _emit(graph, aten.ne.Scalar, (target, ignore_index), node)
-        count = _emit(graph, aten.sum.default, (counted,), node)
-        return _emit(graph, aten.div.Tensor, (total, count), node)
+        counted = emit(graph, aten.ne.Scalar, (target, ignore_index), node)
+        count = emit(graph, aten.sum.default, (counted,), node)
+        return emit(graph, aten.div.Tensor, (total, count), node)
 
     return Match(
         replaced=[wt, mm, *reversed(views), logp, nll, node],  # type: ignore[list-item]
@@ -398,14 +321,7 @@ def match_linear_cross_entropy(node: fx.Node) -> Match | None:
     )
 
 
-def _emit(graph: fx.Graph, op: torch._ops.OpOverload, args: tuple, like: fx.Node) -> fx.Node:
-    """A new ``op(*args)`` node with its fake value and ``like``'s layer metadata."""
-    new = graph.create_node("call_function", op, args, name=op.overloadpacket.__name__)
-    _copy_meta(new, like, _fake_val(op, args))
-    return new
-
-
-def _op(name: str) -> Callable[[], torch._ops.OpOverload]:
+def _op(name: str) -> Callable[[], OpOverload]:
     return lambda: getattr(torch.ops.autopar, name).default
 
 
@@ -416,153 +332,3 @@ PATTERNS: list[Pattern] = [
     Pattern("bias_gelu", match_bias_gelu, _op("bias_gelu")),
     Pattern("linear_cross_entropy", match_linear_cross_entropy, _op("linear_cross_entropy")),
 ]
-
-
-# ------------------------------------------------------------------ rewriting
-
-
-def _fake_val(op: torch._ops.OpOverload, args: tuple) -> object:
-    """The op's output for the inputs' fake values (its registered fake implementation)."""
-    vals = fx.node.map_arg(args, lambda n: n.meta["val"])
-    mode = detect_fake_mode(vals)
-    if mode is None:  # plain meta values: run on meta
-        return op(*fx.node.map_aggregate(vals, _to_meta))
-    with mode:
-        return op(*vals)
-
-
-def _to_meta(v: object) -> object:
-    return v.to("meta") if isinstance(v, torch.Tensor) else v
-
-
-def _copy_meta(dst: fx.Node, src: fx.Node, val: object) -> None:
-    dst.meta["val"] = val
-    for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "from_node"):
-        if key in src.meta:
-            dst.meta[key] = src.meta[key]
-
-
-def _rewrite(gm: fx.GraphModule, pattern: Pattern, match: Match) -> fx.Node | None:
-    """Insert the fused call, rewire the region's outputs, erase the region.
-
-    The call goes right after the latest of its inputs and the region's first node; it is
-    skipped (None) when an outside user of an output comes before that point.
-    """
-    graph = gm.graph
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    inputs = [a for a in match.args if isinstance(a, fx.Node)]
-    first = min(match.replaced, key=order.__getitem__)
-    point = max([first, *inputs], key=order.__getitem__)
-    region = set(match.replaced)
-    for out, _ in match.outputs:
-        if any(u not in region and order[u] <= order[point] for u in out.users):
-            return None
-    op = pattern.handler()
-    last = max(match.replaced, key=order.__getitem__)
-    swapped = _swap(graph, match.swaps)
-    args = fx.node.map_arg(match.args, lambda n: swapped.get(n, n))
-    val = _fake_val(op, args)
-    with graph.inserting_after(swapped.get(point, point)):
-        fused = graph.create_node("call_function", op, args, name=pattern.name)
-    _copy_meta(fused, last, val)
-    anchor = fused
-    for out, index in match.outputs:
-        if all(u in region for u in out.users) and index is not None:
-            continue  # read only inside the region (a final norm's sum): no getitem
-        if index is None:
-            new = fused
-        else:
-            with graph.inserting_after(anchor):
-                new = graph.call_function(operator.getitem, (fused, index))
-            _copy_meta(new, last, val[index])  # type: ignore[index]
-            anchor = new
-        if match.epilogue is not None:
-            with graph.inserting_before(anchor.next):
-                new = match.epilogue(graph, new)
-        out.replace_all_uses_with(new)
-    for node in sorted(match.replaced, key=order.__getitem__, reverse=True):
-        graph.erase_node(node)
-    return fused
-
-
-def _swap(graph: fx.Graph, swaps: Sequence[tuple]) -> dict[fx.Node, fx.Node]:
-    """Replace each ``(node, op, args)`` by a new ``op(*args)`` node right after it (same
-    output, hence the same metadata); returns old -> new."""
-    out = {}
-    for old, op, args in swaps:
-        with graph.inserting_after(old):
-            new = graph.create_node("call_function", op, args, name=op.overloadpacket.__name__)
-        _copy_meta(new, old, old.meta["val"])
-        old.replace_all_uses_with(new)
-        graph.erase_node(old)
-        out[old] = new
-    return out
-
-
-def fusion_kind(regions: Sequence[dict]) -> str:
-    """The ``fusion=`` choice a plan's fusion record (``Plan.fusion``) was made with."""
-    if not regions:
-        return "none"
-    return "inductor" if any(r["kernel"] == "inductor" for r in regions) else "triton"
-
-
-def _kernels_available() -> bool:
-    try:
-        from autopar.kernels import available
-    except ImportError:  # triton not installed
-        return False
-    return available()
-
-
-def fuse_regions(captured: Captured, kernels: str = "triton") -> list[FusedRegion]:
-    """Replace every matched region of ``captured.gm`` by one fused kernel call.
-
-    ``kernels``: ``"triton"`` (autopar's Triton kernels), ``"inductor"`` (the graph is left
-    as it is and the runtime hands each rank's program to torch.compile: one region of
-    kernel ``"inductor"`` over the whole program, node :data:`WHOLE_PROGRAM`, records it)
-    or ``"none"`` (no fusion). Returns the regions in the order they were fused;
-    ``captured.gm`` is recompiled and ``captured.fingerprint`` recomputed when any was.
-    """
-    global _warned_unavailable
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels={kernels!r}: expected one of {KERNELS}")
-    if kernels == "none":
-        return []
-    if kernels == "inductor":
-        return [FusedRegion("inductor", WHOLE_PROGRAM, ())]
-    if not _kernels_available():
-        if not _warned_unavailable:
-            _warned_unavailable = True
-            log.warning(_UNAVAILABLE)
-        return []
-    from autopar.passes.strategies.rules import fused
-
-    fused.register()  # strategies for the fused ops (planning and DTensor execution)
-    gm = captured.gm
-    regions: list[FusedRegion] = []
-    for pattern in PATTERNS:
-        dead: set[fx.Node] = set()
-        for node in list(gm.graph.nodes):
-            if node in dead or node.op != "call_function":
-                continue
-            match = pattern.matcher(node)
-            if match is None:
-                continue
-            order = {n: i for i, n in enumerate(gm.graph.nodes)}
-            gone = [*match.replaced, *(swap[0] for swap in match.swaps)]
-            names = tuple(n.name for n in sorted(gone, key=order.__getitem__))
-            new = _rewrite(gm, pattern, match)
-            if new is None:
-                continue
-            dead.update(gone)
-            regions.append(FusedRegion(pattern.name, new.name, names))
-    if regions:
-        gm.graph.lint()
-        gm.recompile()
-        captured.fingerprint = graph_fingerprint(captured)
-        log.info(
-            "fused %d regions: %s",
-            len(regions),
-            ", ".join(f"{r.kernel}({r.node})" for r in regions),
-        )
-    return regions

@@ -1,32 +1,34 @@
-"""Per-rank entry point of `autopar run` (launched by torchrun: `-m autopar.runtime.launch`).
+"""Per-rank entry point of `autopar run` (torchrun runs `-m autopar.cli.worker` on each rank).
 
-Every rank builds the sample with `torch.manual_seed(0)` and the same global batch; rank 0
-also trains a copy on one device (AdamW, lr 1e-3, the same batch every step) for reference.
-Then `autopar.compile` (pipelined with `--pipeline-stages`/a mesh axis named "pp",
-`--microbatches`, `--schedule`) and `steps` training steps; rank 0 prints the plan summary
+Every rank builds the model from `--model` (a source as `autopar.cli.sources` reads it) with
+the same seed and the same global batch; rank 0 also trains a copy on one device
+(`autopar.testing.reference`: AdamW, lr 1e-3, the same batch every step). Then
+`autopar.compile` (pipelined with `--pipeline-stages`/a mesh axis named "pp",
+`--microbatches`, `--schedule`) and `--steps` training steps; rank 0 prints the plan summary
 (and the pipeline timeline), one line per step comparing the loss with the single-device
-loss, and the largest difference.
-A failing rank raises, so torchrun exits non-zero.
+loss, and the largest difference. A failing rank raises, so torchrun exits non-zero.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-LR = 1e-3
+import autopar
+from autopar.cli.sources import load_model
+from autopar.testing.reference import LR, train_single_device
+from autopar.views import summary, timeline_text
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="autopar.runtime.launch")
-    p.add_argument("--sample", required=True)
-    p.add_argument("--config", default="tiny")
+    p = argparse.ArgumentParser(prog="autopar.cli.worker")
+    p.add_argument("--model", required=True, help="sample name, module:factory or file.py:factory")
+    p.add_argument("--config", default=None)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--mesh", default="2x2", help="e.g. 2x2")
     p.add_argument("--axis-names", default="dp,tp")
@@ -39,30 +41,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def reference_losses(model: nn.Module, batch: Sequence[torch.Tensor], steps: int) -> list[float]:
-    """Single-device training of a copy of `model` on `batch`, `steps` AdamW steps."""
-    model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for _ in range(steps):
-        loss = model(*batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
-
-
 def train(args: argparse.Namespace, rank: int) -> None:
-    import autopar
-    from autopar.plan_views import timeline_text
-    from samples import get_sample
-
-    sample = get_sample(args.sample)
-    torch.manual_seed(0)
-    model = sample.build(args.config)
-    batch = tuple(sample.example_batch(model, args.batch_size, seed=0))
-    ref = reference_losses(model, batch, args.steps) if rank == 0 else []
+    model, batch = load_model(args.model, args.config, args.batch_size)
+    ref = train_single_device(model, batch, args.steps, grads=False).losses if rank == 0 else []
     mesh = tuple(int(s) for s in args.mesh.lower().split("x"))
     strategy = tuple(args.strategy.split(","))
     cluster = autopar.Cluster.local(mesh=mesh, axis_names=tuple(args.axis_names.split(",")))
@@ -78,7 +59,7 @@ def train(args: argparse.Namespace, rank: int) -> None:
         schedule=args.schedule,
     )
     if rank == 0:
-        print(pm.plan.summary(), flush=True)
+        print(summary(pm.plan), flush=True)
         if pm.plan.pipeline is not None:
             print(timeline_text(pm.plan), flush=True)
     worst = 0.0
@@ -108,7 +89,5 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    import warnings
-
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     main()

@@ -1,4 +1,5 @@
-"""Human views of a plan: `describe()` (JSON-able) and `summary()` (text).
+"""A plan as data and text: `describe()` (JSON-able), `summary()` (a few lines), the
+pipeline timeline (`timeline_text`, `timeline_lines`).
 
 Axis roles are derived from placements, never stored: on each mesh axis,
 - most matmuls split over tokens (output Shard(0)), parameters stored replicated -> "dp"
@@ -153,3 +154,29 @@ def timeline_text(plan: Plan) -> str:
     if plan.pipeline is None:
         return ""
     return "\n".join(f"rank {r}: {row}" for r, row in enumerate(plan.pipeline.timeline))
+
+
+def timeline_lines(plan: Plan, width: int = 100) -> list[str]:
+    """`rank r: F0.0 F0.1 ...`, one per pipeline rank; a row longer than `width` keeps its
+    head and tail around `… +N …` (N actions left out)."""
+    if plan.pipeline is None:
+        return []
+    return [_fit(f"rank {r}: ", row.split(), width) for r, row in enumerate(plan.pipeline.timeline)]
+
+
+def _fit(prefix: str, actions: list[str], width: int) -> str:
+    line = prefix + " ".join(actions)
+    if len(line) <= width:
+        return line
+    room, n = width - len(prefix), len(actions)
+
+    def text(head: int, tail: int) -> str:
+        return " ".join([*actions[:head], f"… +{n - head - tail} …", *actions[n - tail :]])
+
+    head = tail = 0
+    while head + tail < n - 1:  # at least one action stays hidden
+        more = (head + 1, tail) if head <= tail else (head, tail + 1)
+        if len(text(*more)) > room:
+            break
+        head, tail = more
+    return prefix + text(head, tail)

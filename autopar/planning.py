@@ -1,0 +1,274 @@
+"""Orchestration behind `autopar.plan` and `autopar.compile` (the api layer).
+
+    PlanOptions (validated)  ->  PlanJob.make: the cluster as the search sees it ("pp" axis
+    first when pipelining), the microbatches, the fusion mode; no capture yet
+      ->  capture (one microbatch when pipelining)  ->  fuse  ->  search
+
+`plan_model` runs the search under a fake process group of the cluster's size (the model
+may live on the meta device); with `pipeline_stages="auto"`, `plan_layout` first searches
+the layout on layer templates (`autopar.search.layouts`) and then plans the whole model on
+the winner. `plan_for_ranks` is compile's half: rank 0 searches and broadcasts its plan
+(or every rank checks a saved plan against its own graph and mesh), then every rank
+compares the plan's hash with rank 0's before the first collective.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar._compat import FakeStore
+from autopar.capture import Captured, capture
+from autopar.cluster import Cluster, with_pipeline_axis
+from autopar.options import PlanOptions
+from autopar.passes.fusion import fuse_regions
+from autopar.plan import SCHEDULES, FusedRegion, Plan
+from autopar.search.inter_op import PipelineOptions, search_pipeline
+from autopar.search.intra_op import search_plan
+from autopar.search.layouts import search_layout
+from autopar.search.pins import SearchOptions
+
+
+@dataclass(frozen=True)
+class PlanJob:
+    """One plan or compile call, before capture: everything the options and the cluster
+    decide (a saved plan decides the fusion mode and the pipeline)."""
+
+    cluster: Cluster  # with its "pp" axis first when pipelining
+    options: PlanOptions
+    pipeline: PipelineOptions | None
+    fusion: str
+
+    @classmethod
+    def make(
+        cls,
+        options: PlanOptions,
+        cluster: Cluster,
+        batch: Sequence[torch.Tensor],
+        plan: Plan | None = None,
+    ) -> PlanJob:
+        stages, microbatches, fusion = options.pipeline_stages, options.microbatches, options.fusion
+        if plan is not None:
+            fusion = plan.fusion
+            if plan.pipeline is not None:
+                stages, microbatches = plan.pipeline.pp, plan.pipeline.microbatches
+        cluster = with_pipeline_axis(cluster, stages)
+        pipelined = "pp" in cluster.axis_names
+        if plan is None:  # the roles must fit the mesh each stage runs on
+            SearchOptions.from_options(options).roles(len(cluster.axis_names) - pipelined)
+        if not pipelined:
+            return cls(cluster, options, None, fusion)
+        pp = cluster.mesh_shape[0]
+        rows = batch[0].shape[0]
+        m = microbatches or _default_microbatches(rows, pp)
+        if rows % m:
+            raise ValueError(
+                f"the batch has {rows} rows, which do not split into "
+                f"microbatches={m}; pick a divisor of {rows}"
+            )
+        cuts, schedule = options.stage_cuts, options.schedule
+        if plan is None and cuts is not None and schedule is not None:
+            want = pp * SCHEDULES[schedule]
+            if len(cuts) != want:
+                raise ValueError(
+                    f"stage_cuts has {len(cuts)} entries but schedule={schedule!r} on {pp} "
+                    f"pipeline ranks runs {want} stages; give {want} cuts"
+                )
+        return cls(cluster, options, PipelineOptions(m, schedule, cuts), fusion)
+
+    def capture_batch(self, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Pipelined graphs are captured on one microbatch (the shapes each stage runs)."""
+        if self.pipeline is None:
+            return tuple(batch)
+        m = self.pipeline.microbatches
+        return tuple(t.chunk(m, dim=0)[0] for t in batch)
+
+    def fuse(self, captured: Captured) -> tuple[FusedRegion, ...]:
+        """Swap matched regions of the captured graph for fused kernels (passes/fusion)."""
+        return tuple(fuse_regions(captured, kernels=self.fusion))
+
+    def search(
+        self, captured: Captured, mesh: DeviceMesh, regions: tuple[FusedRegion, ...] = ()
+    ) -> Plan:
+        options = SearchOptions.from_options(self.options)
+        if self.pipeline is None:
+            plan = search_plan(captured, self.cluster, mesh, options)
+        else:
+            stage_names = tuple(n for n in self.cluster.axis_names if n != "pp")
+            plan = search_pipeline(
+                captured, self.cluster, mesh[stage_names], options, self.pipeline
+            )
+        # the mode the graph was fused with: "triton" only if a region was swapped, so a
+        # runtime without kernels still reproduces the planned graph
+        applied = "triton" if regions else ("inductor" if self.fusion == "inductor" else "none")
+        return replace(plan, fusion=applied, fused_regions=regions)
+
+
+def prepare(
+    model: nn.Module,
+    batch: Sequence[torch.Tensor],
+    cluster: Cluster,
+    loss_fn: Callable | None,
+    options: PlanOptions,
+    plan: Plan | None = None,
+) -> tuple[PlanJob, Captured, tuple[FusedRegion, ...]]:
+    """What compile and plan share: the job, the captured (maybe fused) graph."""
+    job = PlanJob.make(options, cluster, batch, plan)
+    captured = capture(model, job.capture_batch(batch), loss_fn)
+    return job, captured, job.fuse(captured)
+
+
+def plan_model(
+    model: nn.Module,
+    batch: Sequence[torch.Tensor],
+    cluster: Cluster,
+    loss_fn: Callable | None,
+    options: PlanOptions,
+) -> Plan:
+    """`autopar.plan`: search without processes or weights."""
+    if options.searches_layout:
+        return plan_layout(model, batch, cluster, loss_fn, options)
+    job, captured, regions = prepare(model, batch, cluster, loss_fn, options)
+    with fake_group(job.cluster.world_size):
+        return job.search(captured, job.cluster.device_mesh(device_type="cpu"), regions)
+
+
+def plan_layout(
+    model: nn.Module,
+    batch: Sequence[torch.Tensor],
+    cluster: Cluster,
+    loss_fn: Callable | None,
+    options: PlanOptions,
+) -> Plan:
+    """Search the layout on layer templates, then plan the whole model on the winner."""
+    with fake_group(cluster.world_size):
+        found = search_layout(
+            model,
+            batch,
+            cluster,
+            SearchOptions.from_options(options),
+            loss_fn,
+            microbatches=options.microbatches,
+            schedule=options.schedule,
+        )
+    best = found.best
+    pipelined = best.pp > 1
+    final = plan_model(
+        model,
+        batch,
+        best.cluster(cluster),
+        loss_fn,
+        replace(
+            options,
+            pipeline_stages=best.pp if pipelined else None,
+            microbatches=best.microbatches if pipelined else None,
+            schedule=best.schedule,
+        ),
+    )
+    return final.with_solver(
+        layout=best.key, layout_candidates=found.tried, layout_search_s=found.search_time_s
+    )
+
+
+def plan_for_ranks(
+    model: nn.Module,
+    batch: Sequence[torch.Tensor],
+    cluster: Cluster,
+    loss_fn: Callable | None,
+    options: PlanOptions,
+    plan: Plan | None,
+) -> tuple[Plan, Captured, DeviceMesh]:
+    """compile's half: every rank holds the same plan for its captured graph, and the
+    mesh it runs on."""
+    job, captured, regions = prepare(model, batch, cluster, loss_fn, options, plan)
+    mesh = job.cluster.device_mesh()
+    if plan is not None:
+        check_plan_matches(plan, captured, job.cluster)
+    else:
+        plan = plan_on_rank0(captured, job, mesh, regions)
+    verify_same_plan(plan)
+    return plan, captured, mesh
+
+
+@contextmanager
+def fake_group(world: int) -> Iterator[None]:
+    """Planning needs a process group of the cluster's size: a fake one, unless one runs."""
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    elif dist.get_world_size() != world:
+        raise ValueError(
+            f"the cluster has {world} devices but the running process "
+            f"group has {dist.get_world_size()}; plan outside the job, or use a "
+            "cluster of the job's size"
+        )
+    try:
+        yield
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def check_plan_matches(plan: Plan, captured: Captured, cluster: Cluster) -> None:
+    """A saved plan applies only to the graph and the mesh it was made for."""
+    if plan.solver.get("shard_optimizer"):
+        raise ValueError(
+            "this plan was made with shard_optimizer=True (ZeRO-1 priced for planning), "
+            "which the runtime does not run yet; re-plan without shard_optimizer to train"
+        )
+    if plan.graph_fingerprint != captured.fingerprint:
+        raise ValueError(
+            f"this plan was made for another model or batch shape (graph fingerprint "
+            f"{plan.graph_fingerprint}, this model's is {captured.fingerprint}); re-plan with "
+            "autopar.plan / `autopar plan` for this model and batch."
+        )
+    if plan.mesh_shape != tuple(cluster.mesh_shape):
+        raise ValueError(
+            f"this plan is for a mesh {plan.mesh_shape} but the cluster's mesh is "
+            f"{tuple(cluster.mesh_shape)}; re-plan for this cluster or launch "
+            f"{math.prod(plan.mesh_shape)} processes with that mesh."
+        )
+
+
+def plan_on_rank0(
+    captured: Captured, job: PlanJob, mesh: DeviceMesh, regions: tuple[FusedRegion, ...]
+) -> Plan:
+    """Rank 0 searches; the others receive its plan (solvers with time limits are not
+    guaranteed to answer identically on every rank)."""
+    box: list[object] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = job.search(captured, mesh, regions).to_json()
+        except Exception as exc:  # the other ranks must not wait forever for a plan
+            box[0] = exc
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return Plan.from_json(box[0])
+
+
+def verify_same_plan(plan: Plan) -> None:
+    """Every rank compares its plan's hash with rank 0's before the first collective."""
+    hashes: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(hashes, plan.content_hash)
+    if any(h != hashes[0] for h in hashes):
+        bad = [r for r, h in enumerate(hashes) if h != hashes[0]]
+        raise ValueError(
+            f"ranks {bad} hold a different plan than rank 0 (hashes {hashes}); "
+            "give every rank the same plan file."
+        )
+
+
+def _default_microbatches(rows: int, pp: int) -> int:
+    """2*pp microbatches (a small bubble), or the largest divisor of the batch below it."""
+    for m in range(min(rows, 2 * pp), 0, -1):
+        if rows % m == 0:
+            return m
+    return 1
