@@ -16,7 +16,16 @@ fusion mode. Pins left at their default are searched (`strategy="auto"`, no `pla
     schedule         a pipeline schedule (`autopar.plan.SCHEDULES`; default: searched)
     stage_cuts       the first layer of each stage, 0 first, increasing (default: balanced)
     fusion           "none", "triton" (autopar's kernels) or "inductor" (torch.compile)
-    shard_optimizer  price ZeRO-1 optimizer state (planning only)
+    shard_optimizer  ZeRO-1: optimizer state (and fp32 master) split over each parameter's
+                     replicas, gradients reduce-scattered, parameters all-gathered
+    shard_gradients  ZeRO-2: keep only the gradient shard too (implies shard_optimizer)
+    mixed_precision  None (train in the model's dtype), "bf16" or "fp16": parameters cast
+                     to that dtype for forward and backward, fp32 master and optimizer state
+    reduce_dtype     the dtype gradients are reduced in under mixed_precision ("float32"
+                     by default, or "bfloat16"/"float16")
+    activation_checkpointing  "auto" (searched per layer), "none", "selective" or "full"
+    reshard_after_forward     "auto" (searched), True or False: FSDP-gathered weights freed
+                     after forward and gathered again for backward
 """
 
 from __future__ import annotations
@@ -25,9 +34,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Real
 
-from autopar.plan import FUSION_MODES, SCHEDULES, parse_spec
+from autopar.plan import FUSION_MODES, RECOMPUTE_POLICIES, SCHEDULES, parse_spec
 
 ROLES = ("auto", "dp", "fsdp", "tp")
+MIXED_PRECISION = {"bf16": "bfloat16", "fp16": "float16"}  # option -> torch dtype name
+REDUCE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +53,11 @@ class PlanOptions:
     stage_cuts: tuple[int, ...] | None = None
     fusion: str = "none"
     shard_optimizer: bool = False
+    shard_gradients: bool = False
+    mixed_precision: str | None = None
+    reduce_dtype: str = "float32"
+    activation_checkpointing: str = "auto"
+    reshard_after_forward: bool | str = "auto"
 
     def __post_init__(self) -> None:
         # normalize containers (lists from a CLI, a caller's dict it may mutate later)
@@ -57,6 +73,35 @@ class PlanOptions:
             raise ValueError(f"fusion={self.fusion!r}: choose one of {', '.join(FUSION_MODES)}")
         if not isinstance(self.shard_optimizer, bool):
             raise ValueError(f"shard_optimizer={self.shard_optimizer!r}: give True or False")
+        self._check_memory_levers()
+
+    def _check_memory_levers(self) -> None:
+        if not isinstance(self.shard_gradients, bool):
+            raise ValueError(f"shard_gradients={self.shard_gradients!r}: give True or False")
+        if self.shard_gradients and not self.shard_optimizer:
+            raise ValueError(
+                "shard_gradients=True (ZeRO-2) shards the optimizer state too: "
+                "add shard_optimizer=True"
+            )
+        if self.mixed_precision is not None and self.mixed_precision not in MIXED_PRECISION:
+            raise ValueError(
+                f"mixed_precision={self.mixed_precision!r}: choose "
+                f"{', '.join(map(repr, MIXED_PRECISION))} or None (the model's own dtype)"
+            )
+        if self.reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(
+                f"reduce_dtype={self.reduce_dtype!r}: choose one of {', '.join(REDUCE_DTYPES)}"
+            )
+        if self.activation_checkpointing not in ("auto", *RECOMPUTE_POLICIES):
+            raise ValueError(
+                f"activation_checkpointing={self.activation_checkpointing!r}: choose 'auto' "
+                f"(searched per layer) or one of {', '.join(RECOMPUTE_POLICIES)}"
+            )
+        if self.reshard_after_forward not in ("auto", True, False):
+            raise ValueError(
+                f"reshard_after_forward={self.reshard_after_forward!r}: give 'auto' "
+                "(searched), True or False"
+            )
 
     @property
     def searches_layout(self) -> bool:

@@ -171,6 +171,59 @@ class PipelinePlan:
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
 
 
+RECOMPUTE_POLICIES = ("none", "selective", "full")
+PRECISIONS = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """The memory levers the runtime applies, exactly as the search priced them.
+
+    recompute              (layer, "selective" | "full") for every layer that recomputes in
+                           backward (absent layers keep all their activations); selective
+                           keeps matmul and attention outputs (`capture.recompute_policy`)
+    reshard_after_forward  layers whose all-gathered (FSDP) weights are freed after their
+                           forward use and all-gathered again for backward
+    param_dtype            mixed precision: the compute dtype parameters are cast to for
+                           forward and backward (None: the model's own dtype, no master copy)
+    reduce_dtype           the dtype gradients are reduced in (with param_dtype)
+    loss_scaling           dynamic loss scaling (param_dtype float16)
+    shard_optimizer        ZeRO-1: optimizer state (and fp32 master) split over each
+                           parameter's replicas; gradients reduce-scattered, params gathered
+    shard_gradients        ZeRO-2: only the gradient shard is kept as well
+    """
+
+    recompute: tuple[tuple[str, str], ...] = ()
+    reshard_after_forward: tuple[str, ...] = ()
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    loss_scaling: bool = False
+    shard_optimizer: bool = False
+    shard_gradients: bool = False
+
+    def __post_init__(self) -> None:
+        bad = [p for _, p in self.recompute if p not in RECOMPUTE_POLICIES]
+        assert not bad, f"unknown recompute policies {bad}"
+        assert self.param_dtype in (None, *PRECISIONS), self.param_dtype
+        assert self.reduce_dtype in (None, *PRECISIONS), self.reduce_dtype
+        assert not self.shard_gradients or self.shard_optimizer, "ZeRO-2 implies ZeRO-1"
+
+    def recompute_of(self, layer: str | None) -> str:
+        return dict(self.recompute).get(layer, "none") if layer is not None else "none"
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> MemoryPlan:
+        return cls(
+            recompute=tuple((str(a), str(b)) for a, b in raw.get("recompute", ())),
+            reshard_after_forward=tuple(raw.get("reshard_after_forward", ())),
+            param_dtype=raw.get("param_dtype"),
+            reduce_dtype=raw.get("reduce_dtype"),
+            loss_scaling=bool(raw.get("loss_scaling", False)),
+            shard_optimizer=bool(raw.get("shard_optimizer", False)),
+            shard_gradients=bool(raw.get("shard_gradients", False)),
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     graph_fingerprint: str
@@ -184,6 +237,11 @@ class Plan:
     pipeline: PipelinePlan | None = None
     fusion: str = "none"  # one of FUSION_MODES
     fused_regions: tuple[FusedRegion, ...] = ()  # with fusion="triton"
+    memory: MemoryPlan = field(default_factory=MemoryPlan)
+    # the predicted peak's breakdown, bytes per device: parameters, gradients,
+    # optimizer_state, buffers, activations, communication (`runtime.memory_stats` measures
+    # the same categories)
+    predicted_memory: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -266,6 +324,8 @@ class Plan:
             pipeline=PipelinePlan.from_dict(data["pipeline"]) if data.get("pipeline") else None,
             fusion=data.get("fusion", "none"),
             fused_regions=tuple(FusedRegion.from_dict(r) for r in data.get("fused_regions", ())),
+            memory=MemoryPlan.from_dict(data.get("memory") or {}),
+            predicted_memory=dict(data.get("predicted_memory") or {}),
         )
         if stored_hash is not None and stored_hash != plan.content_hash:
             raise ValueError(
