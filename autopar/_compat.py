@@ -29,6 +29,10 @@ import torch
 # a compiler it calls returns a function of one boxed argument list (make_boxed_func).
 from torch._functorch.aot_autograd import aot_function, make_boxed_func
 
+# pipeline stages with recompute: the joint graph rewritten by passes/recompute, then split
+# by AOTAutograd's default partitioner (saves what backward reads of the forward)
+from torch._functorch.partitioners import default_partition
+
 # fusion pass (passes/fusion): the fake mode of a graph's FakeTensor values, to run a new
 # op's fake implementation on them.
 from torch._guards import detect_fake_mode
@@ -102,6 +106,7 @@ __all__ = [
     "aot_function",
     "clear_sharding_cache",
     "decomp_strategy",
+    "default_partition",
     "default_inductor_cache_dir",
     "detect_fake_mode",
     "expand_to_full_mesh_op_strategy",

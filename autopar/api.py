@@ -42,6 +42,12 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     schedule: str | None = None,
     stage_cuts: Sequence[int] | None = None,
     fusion: str = "none",
+    mixed_precision: str | None = None,
+    reduce_dtype: str = "float32",
+    shard_optimizer: bool = False,
+    shard_gradients: bool = False,
+    activation_checkpointing: str = "auto",
+    reshard_after_forward: bool | str = "auto",
 ) -> ParallelModel | PipelineModel:
     """Plan (or apply `plan`) and build this rank's share of the model for training.
 
@@ -54,6 +60,14 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     they run only under TRITON_INTERPRET=1.
     `fusion="inductor"` hands each rank's step program (each stage's, when pipelined) to
     torch.compile instead (C++ on CPU, Triton on GPU; compiled on the first step).
+    `mixed_precision="bf16"|"fp16"` trains an fp32 model in that compute dtype with fp32
+    master weights and optimizer state, gradients reduced in `reduce_dtype` (fp16: dynamic
+    loss scaling); `shard_optimizer=True` (ZeRO-1) keeps the master and optimizer state as a
+    flat shard over each parameter's replicas, `shard_gradients=True` (ZeRO-2) the gradient
+    too (`autopar.runtime.optimizer` lists what a rank holds in each case).
+    `activation_checkpointing` ("auto": searched per layer, or "none"/"selective"/"full")
+    and `reshard_after_forward` ("auto": searched per layer, or True/False: FSDP-gathered
+    weights freed after forward and gathered again for backward) pin the memory levers.
     The options are those of `autopar.options.PlanOptions`.
     """
     options = PlanOptions(
@@ -66,6 +80,12 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         schedule=schedule,
         stage_cuts=stage_cuts,
         fusion=fusion,
+        mixed_precision=mixed_precision,
+        reduce_dtype=reduce_dtype,
+        shard_optimizer=shard_optimizer,
+        shard_gradients=shard_gradients,
+        activation_checkpointing=activation_checkpointing,
+        reshard_after_forward=reshard_after_forward,
     )
     if options.searches_layout:
         raise ValueError(
@@ -103,12 +123,17 @@ def plan(
     stage_cuts: Sequence[int] | None = None,
     fusion: str = "none",
     shard_optimizer: bool = False,
+    shard_gradients: bool = False,
+    mixed_precision: str | None = None,
+    reduce_dtype: str = "float32",
+    activation_checkpointing: str = "auto",
+    reshard_after_forward: bool | str = "auto",
 ) -> Plan:
     """Search a plan without processes or weights (the model may be on the meta device).
 
-    `shard_optimizer=True` prices ZeRO-1 (fp32 master and optimizer state split over the
-    devices holding the same shard, as Megatron's distributed optimizer): for planning and
-    benchmarks only, `compile` does not run such plans yet.
+    `shard_optimizer=True` prices ZeRO-1 (master and optimizer state split over the
+    devices holding the same shard), `shard_gradients=True` ZeRO-2, `mixed_precision` the
+    policy, as `compile` runs them.
 
     `pipeline_stages="auto"` also searches how the devices are laid out: the pipeline
     degree, every stage's (dp, tp) mesh, the microbatch count and the schedule
@@ -125,5 +150,10 @@ def plan(
         stage_cuts=stage_cuts,
         fusion=fusion,
         shard_optimizer=shard_optimizer,
+        shard_gradients=shard_gradients,
+        mixed_precision=mixed_precision,
+        reduce_dtype=reduce_dtype,
+        activation_checkpointing=activation_checkpointing,
+        reshard_after_forward=reshard_after_forward,
     )
     return plan_model(model, example_inputs, cluster, loss_fn, options)

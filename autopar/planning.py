@@ -14,6 +14,7 @@ compares the plan's hash with rank 0's before the first collective.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -27,12 +28,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar._compat import FakeStore
 from autopar.capture import Captured, capture
 from autopar.cluster import Cluster, with_pipeline_axis
-from autopar.options import PlanOptions
+from autopar.options import MIXED_PRECISION, PlanOptions
 from autopar.passes.fusion import fuse_regions
 from autopar.plan import SCHEDULES, FusedRegion, Plan
 from autopar.search.inter_op import PipelineOptions, search_pipeline
 from autopar.search.intra_op import search_plan
 from autopar.search.layouts import search_layout
+from autopar.search.peak import with_predicted_memory
 from autopar.search.pins import SearchOptions
 
 
@@ -108,7 +110,10 @@ class PlanJob:
         # the mode the graph was fused with: "triton" only if a region was swapped, so a
         # runtime without kernels still reproduces the planned graph
         applied = "triton" if regions else ("inductor" if self.fusion == "inductor" else "none")
-        return replace(plan, fusion=applied, fused_regions=regions)
+        memory = replace(plan.memory, **precision_fields(self.options))
+        plan = replace(plan, fusion=applied, fused_regions=regions, memory=memory)
+        # what the runtime really holds at its peak (a liveness simulation of the step)
+        return with_predicted_memory(captured, plan, options.optimizer_states)
 
 
 def prepare(
@@ -121,8 +126,52 @@ def prepare(
 ) -> tuple[PlanJob, Captured, tuple[FusedRegion, ...]]:
     """What compile and plan share: the job, the captured (maybe fused) graph."""
     job = PlanJob.make(options, cluster, batch, plan)
-    captured = capture(model, job.capture_batch(batch), loss_fn)
+    dtype = compute_dtype(options, plan)
+    if dtype is None:
+        captured = capture(model, job.capture_batch(batch), loss_fn)
+    else:  # captured in the compute dtype: activations and communication priced in it
+        model, batch = in_compute_dtype(model, job.capture_batch(batch), dtype)
+        captured = capture(model, batch, loss_fn)
     return job, captured, job.fuse(captured)
+
+
+def compute_dtype(options: PlanOptions, plan: Plan | None) -> torch.dtype | None:
+    """The mixed-precision compute dtype: a saved plan's, else the options'."""
+    name = plan.memory.param_dtype if plan is not None else None
+    if plan is None and options.mixed_precision is not None:
+        name = MIXED_PRECISION[options.mixed_precision]
+    return getattr(torch, name) if name else None
+
+
+def precision_fields(options: PlanOptions) -> dict:
+    """`MemoryPlan` fields of the mixed-precision policy and ZeRO options."""
+    param = MIXED_PRECISION.get(options.mixed_precision) if options.mixed_precision else None
+    return {
+        "param_dtype": param,
+        "reduce_dtype": options.reduce_dtype if param else None,
+        "loss_scaling": param == "float16",
+        "shard_optimizer": options.shard_optimizer,
+        "shard_gradients": options.shard_gradients,
+    }
+
+
+def in_compute_dtype(
+    model: nn.Module, batch: Sequence[torch.Tensor], dtype: torch.dtype
+) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """A copy of `model` with its parameters (not buffers) cast to `dtype`, and the batch
+    with its floating tensors cast: what the runtime computes with under the policy."""
+    bad = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
+    if bad:
+        raise ValueError(
+            f"mixed_precision keeps fp32 master weights, but this model has {', '.join(bad)} "
+            "parameters; hand over the fp32 model, or drop mixed_precision to train in the "
+            "model's own dtype"
+        )
+    copy_ = copy.deepcopy(model)
+    for p in copy_.parameters():
+        p.data = p.data.to(dtype)
+    cast = tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
+    return copy_, cast
 
 
 def plan_model(
@@ -148,10 +197,12 @@ def plan_layout(
     options: PlanOptions,
 ) -> Plan:
     """Search the layout on layer templates, then plan the whole model on the winner."""
+    dtype = compute_dtype(options, None)  # templates captured as the runtime computes
+    searched, example = (model, batch) if dtype is None else in_compute_dtype(model, batch, dtype)
     with fake_group(cluster.world_size):
         found = search_layout(
-            model,
-            batch,
+            searched,
+            example,
             cluster,
             SearchOptions.from_options(options),
             loss_fn,
@@ -187,6 +238,13 @@ def plan_for_ranks(
 ) -> tuple[Plan, Captured, DeviceMesh]:
     """compile's half: every rank holds the same plan for its captured graph, and the
     mesh it runs on."""
+    zero = plan.memory.shard_optimizer if plan is not None else options.shard_optimizer
+    job = PlanJob.make(options, cluster, batch, plan)
+    if zero and job.pipeline is not None:
+        raise ValueError(
+            "shard_optimizer / shard_gradients (ZeRO) do not run with pipelining yet: "
+            "compile without them, or without pipeline stages"
+        )
     job, captured, regions = prepare(model, batch, cluster, loss_fn, options, plan)
     mesh = job.cluster.device_mesh()
     if plan is not None:
@@ -218,10 +276,10 @@ def fake_group(world: int) -> Iterator[None]:
 
 def check_plan_matches(plan: Plan, captured: Captured, cluster: Cluster) -> None:
     """A saved plan applies only to the graph and the mesh it was made for."""
-    if plan.solver.get("shard_optimizer"):
+    if plan.solver.get("shard_optimizer") and not plan.memory.shard_optimizer:
         raise ValueError(
-            "this plan was made with shard_optimizer=True (ZeRO-1 priced for planning), "
-            "which the runtime does not run yet; re-plan without shard_optimizer to train"
+            "this plan was priced with shard_optimizer=True by an older autopar that did "
+            "not record it in plan.memory; re-plan it to train"
         )
     if plan.graph_fingerprint != captured.fingerprint:
         raise ValueError(

@@ -6,9 +6,12 @@ Rows (GPT, seq 4096, vocab 131072, bf16, 48-way data parallel in Megatron's runs
 cluster is `dgx-h100` with 48 * TP * PP GPUs. For each row the layout search
 (`autopar.search.layouts`) picks pp / dp / tp / microbatches / schedule, and the same
 pricer prices Megatron's (TP, PP) with dp = 48, one sequence per microbatch (the rest,
-placements and schedule, left to the same search). Both are priced with ZeRO-1 optimizer
-state (Megatron's distributed optimizer, `shard_optimizer=True`) and no activation
-recompute, by autopar's roofline + alpha-beta cost model (no compute/communication overlap).
+placements and schedule, left to the same search). Both are priced as Megatron trains
+them: the bf16 mixed-precision policy (fp32 master and Adam states, bf16 compute, fp32
+gradient reduction), ZeRO-1 (Megatron's distributed optimizer, `shard_optimizer=True`),
+and activation recompute per layer where it pays (searched), by autopar's roofline +
+alpha-beta cost model (no compute/communication overlap). "peak" is the memory a rank
+really holds under that plan (parameters, states, gradients, saved and gathered tensors).
 
 TFLOP/s per GPU use the model FLOPs of Megatron's formula without recompute:
 72 * B * s * L * h^2 * (1 + s / (6h) + V / (12 L h)) per step.
@@ -62,7 +65,8 @@ def run_row(row: str) -> dict:
     sample = get_sample("gpt")
     model = sample.build(f"megatron-{row}", device="meta")
     inputs = sample.example_batch(model, batch, device="meta")
-    options = SearchOptions(shard_optimizer=True)
+    # the bf16 policy on a model captured in its compute dtype (what the policy captures)
+    options = SearchOptions(shard_optimizer=True, mixed_precision=True, reduce_itemsize=4)
     with fake_group(world):
         t0 = time.perf_counter()
         ours = search_layout(model, inputs, cluster, options)
@@ -104,11 +108,16 @@ def full_plan_seconds(row: str) -> tuple[float, str]:
     tp, pp, batch, _ = MEGATRON[row]
     cluster = Cluster.preset("dgx-h100", nodes=DP * tp * pp // 8)
     sample = get_sample("gpt")
-    model = sample.build(f"megatron-{row}", device="meta")
+    model = sample.build(f"megatron-{row}", device="meta").float()  # the user's fp32 model
     inputs = sample.example_batch(model, batch, device="meta")
     t0 = time.perf_counter()
     plan = autopar.plan(
-        model, inputs, cluster=cluster, pipeline_stages="auto", shard_optimizer=True
+        model,
+        inputs,
+        cluster=cluster,
+        pipeline_stages="auto",
+        shard_optimizer=True,
+        mixed_precision="bf16",
     )
     return time.perf_counter() - t0, plan.solver["layout"]
 

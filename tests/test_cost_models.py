@@ -172,27 +172,41 @@ def test_local_shape_and_numel() -> None:
 
 
 def test_param_state_bytes() -> None:
+    """What the runtime holds per parameter (`runtime.optimizer`), category by category."""
     f32, bf16 = torch.float32, torch.bfloat16
     # fp32 AdamW: param + grad + exp_avg + exp_avg_sq, 4 bytes each
     assert memory.param_state_bytes((1000,), f32, (R,), (2,), optimizer="adamw") == 16000
     assert memory.param_state_bytes((1000,), f32, (R,), (2,), optimizer="sgd") == 8000
-    # bf16 is trained in mixed precision: bf16 param + grad, fp32 master + 2 fp32 states
-    assert memory.param_state_bytes((1000,), bf16, (R,), (2,)) == 1000 * (2 + 2 + 4 * 3)
-    assert memory.param_state_bytes((1000,), bf16, (R,), (2,), optimizer="sgd") == 1000 * 8
+    # a model handed over in bf16 trains in bf16: no master copy, bf16 states
+    assert memory.param_state_bytes((1000,), bf16, (R,), (2,)) == 1000 * 2 * 4
+    # the mixed-precision policy (captured in bf16): fp32 master + its bf16 cast, fp32
+    # gradient, 2 fp32 states
+    assert memory.param_state_breakdown((1000,), bf16, (R,), (2,), mixed_precision=True) == {
+        "parameters": 1000 * (4 + 2),
+        "gradients": 1000 * 4,
+        "optimizer_state": 1000 * 8,
+    }
+    assert memory.param_state_bytes(
+        (1000,), bf16, (R,), (2,), optimizer="sgd", mixed_precision=True
+    ) == 1000 * (4 + 2 + 4)
     # not trained (a buffer or an input): the tensor alone
     assert memory.param_state_bytes((1000,), bf16, (R,), (2,), trained=False) == 2000
     # the local shard counts: Shard(0) over 4 devices holds ceil(1001 / 4) = 251 rows
     assert memory.param_state_bytes((1001, 2), f32, (S0, R), (4, 2)) == 251 * 2 * 16
-    # ZeRO-1: master and states split over the devices holding the same shard
     assert memory.replicas((S0, R), (4, 2)) == 2 and memory.replicas((R, R), (4, 2)) == 8
-    assert memory.param_state_bytes(
-        (1000, 2), bf16, (R, R), (4, 2), shard_optimizer=True
-    ) == 2000 * (4 + 12 / 8)
-    assert memory.param_state_bytes(
-        (1000, 2), f32, (S0, R), (4, 2), shard_optimizer=True
-    ) == 500 * (8 + 8 / 2)
+    # ZeRO-1: working param + full gradient buffer; flat master, states and gradient shard
+    # over the replicas (padded to ceil(N / R))
+    assert memory.param_state_breakdown((1000, 2), f32, (S0, R), (4, 2), shard_optimizer=True) == {
+        "parameters": 500 * 4,
+        "gradients": 500 * 4 + 250 * 4,
+        "optimizer_state": 250 * 12,
+    }
+    # ZeRO-2 frees the full gradient; under the policy master/states/grad shard are fp32
+    assert memory.param_state_breakdown(
+        (1001,), bf16, (R,), (2,), shard_optimizer=True, shard_gradients=True, mixed_precision=True
+    ) == {"parameters": 1001 * 2, "gradients": 501 * 4, "optimizer_state": 501 * 12}
     assert memory.param_state_bytes((1000, 2), f32, (S0, S1), (4, 2), shard_optimizer=True) == (
-        250 * 16  # no replicas: nothing left to split
+        250 * (4 + 4 + 4 + 12)  # no replicas: the flat master is a full copy
     )
     with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
         memory.param_state_bytes((1,), f32, (R,), (2,), optimizer="lion")
@@ -218,9 +232,9 @@ def test_search_prices_memory_with_the_memory_model() -> None:
             (40, 24), torch.float32, spec, (2, 2), optimizer=1, shard_optimizer=True
         )
         assert ctx.node_memory(weight, NodeStrategy((), (spec,))) == expected
-        assert expected == 40 * 24 * (8 + 4 / memory.replicas(spec, (2, 2))) / (
-            4 // memory.replicas(spec, (2, 2))
-        )
+        r = memory.replicas(spec, (2, 2))
+        n = 40 * 24 // (4 // r)  # local elements
+        assert expected == n * 8 + -(-n // r) * 12  # param + grad buffer; shards of the rest
     # a user input is not trained: its bytes only
     assert ctx.node_memory(x, NodeStrategy((), ((S0, R),))) == 6 * 24 * 4
     # an activation: the local bytes of its output
@@ -296,3 +310,35 @@ def test_compute_time_roofline(h100: Cluster) -> None:
     relu = _one_op(torch.ops.aten.relu.default, _meta(1024, 1024, dtype=torch.float32))
     assert compute.node_time(relu, h100) == pytest.approx(8 * 2**20 / bw)  # read + write
     assert compute.node_time(relu, h100, fraction=0.5) == pytest.approx(4 * 2**20 / bw)
+
+
+def test_recompute_prices_the_forward_share_of_a_node() -> None:
+    """`CostContext.forward_time` (what recomputing a node costs) is the roofline of its
+    forward work alone, on the strategy's share; views cost nothing."""
+    from autopar.capture import capture
+    from autopar.passes.strategies import NodeStrategy
+    from autopar.search.costs import CostContext
+
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU())
+    captured = capture(model, (torch.randn(64, 256),), loss_fn=lambda y: y.sum())
+    cluster = Cluster.preset("dgx-h100", nodes=1, mesh=(2, 4), axis_names=("a", "b"))
+    ctx = CostContext(cluster)
+    nodes = list(captured.gm.graph.nodes)
+    addmm = next(n for n in nodes if n.target == torch.ops.aten.addmm.default)
+    relu = next(n for n in nodes if n.target == torch.ops.aten.relu.default)
+    view = next((n for n in nodes if n.target == torch.ops.aten.view.default), None)
+    split = NodeStrategy(((S0, R), (S0, R), (R, R)), ((S0, R),))  # 2-way on axis a
+    flops, nbytes = compute.node_flops(addmm), compute.node_bytes(addmm)
+    expected = compute.compute_time(flops / 2, nbytes / 2, "float32", cluster)
+    assert ctx.forward_time(addmm, split) == pytest.approx(expected, rel=1e-12)
+    # a matmul's backward is twice its forward: node_cost prices 3x the FLOPs, 2x the bytes
+    full = compute.compute_time(3 * flops / 2, 2 * nbytes / 2, "float32", cluster)
+    assert ctx.node_cost(addmm, split) == pytest.approx(full, rel=1e-12)
+    rep = NodeStrategy(((R, R),), ((R, R),))
+    relu_fwd = compute.compute_time(
+        compute.node_flops(relu), compute.node_bytes(relu), "float32", cluster
+    )
+    assert ctx.forward_time(relu, rep) == pytest.approx(relu_fwd, rel=1e-12)
+    assert 0 < ctx.forward_time(relu, rep) < ctx.node_cost(relu, rep)
+    if view is not None:
+        assert ctx.forward_time(view, rep) == 0.0

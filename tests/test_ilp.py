@@ -10,6 +10,7 @@ import pytest
 
 from autopar.search import (
     Edge,
+    GatedEdge,
     IntraOpProblem,
     MemoryInfeasible,
     evaluate,
@@ -267,3 +268,58 @@ def test_memory_infeasible_pickles() -> None:
 
     err = pickle.loads(pickle.dumps(MemoryInfeasible(3.0, 2.0)))
     assert (err.min_memory, err.memory_limit) == (3.0, 2.0) and "2" in str(err)
+
+
+def _lever_problem(seed: int, n: int = 6, k: int = 3) -> IntraOpProblem:
+    """Random problem with edge memories of either sign (a recompute decision's savings)
+    and gated edges (terms that count only when a third decision picks one choice)."""
+    rng = random.Random(seed)
+    cost = [[rng.uniform(0, 1) for _ in range(k)] for _ in range(n)]
+    memory = [[rng.uniform(2, 4) for _ in range(k)] for _ in range(n)]
+    if rng.random() < 0.5:  # a pinned gate: one allowed choice
+        cost[0] = [INF if j != 1 else cost[0][j] for j in range(k)]
+    edges, gated = [], []
+    for _ in range(6):
+        u, v = rng.randrange(n), rng.randrange(n)
+        c = tuple(tuple(rng.uniform(0, 1) for _ in range(k)) for _ in range(k))
+        m = tuple(tuple(rng.uniform(-1.5, 1) for _ in range(k)) for _ in range(k))
+        edges.append(Edge(u, v, c, m))
+    for _ in range(6):
+        u, v, w = rng.randrange(n), rng.randrange(n), rng.randrange(n)
+        c = tuple(tuple(rng.choice((0.0, rng.uniform(0, 1))) for _ in range(k)) for _ in range(k))
+        m = tuple(tuple(rng.choice((0.0, rng.uniform(0, 2))) for _ in range(k)) for _ in range(k))
+        gated.append(GatedEdge(u, v, w, rng.randrange(k), c, m))
+    base = IntraOpProblem(
+        tuple(map(tuple, cost)), tuple(map(tuple, memory)), tuple(edges), INF, 10.0, tuple(gated)
+    )
+    mems = sorted(evaluate(base, ch)[1] for ch in itertools.product(range(k), repeat=n))
+    limit = mems[len(mems) // 3]
+    return IntraOpProblem(base.node_cost, base.node_memory, base.edges, limit, 10.0, base.gated)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_edge_memory_and_gated_edges_match_brute_force(seed: int) -> None:
+    p = _lever_problem(seed)
+    best, _ = _brute_force(p)
+    if not math.isfinite(best):
+        with pytest.raises(ValueError):
+            solve_intra_op(p)
+        return
+    for backend in BACKENDS:
+        sol = solve_intra_op(p, backend=backend)
+        assert sol.memory <= p.memory_limit * (1 + 1e-9)
+        assert sol.objective == pytest.approx(best, rel=1e-6), backend
+        assert evaluate(p, sol.choices) == (sol.objective, sol.memory)
+
+
+def test_gated_edge_counts_only_under_its_gate() -> None:
+    # decision 2 is the gate: its choice 1 is free but adds 7 B on the pair (1, 1)
+    g = GatedEdge(0, 1, 2, 1, ((0, 0), (0, 0)), ((0, 0), (0, 7)))
+    p = IntraOpProblem(((9, 0), (9, 0), (1, 0)), ((0, 0),) * 3, (), INF, 10.0, (g,))
+    assert evaluate(p, (1, 1, 0)) == (1.0, 0.0)
+    assert evaluate(p, (1, 1, 1)) == (0.0, 7.0)
+    assert evaluate(p, (0, 1, 1)) == (9.0, 0.0)
+    assert solve_intra_op(p).choices == (1, 1, 1)
+    limited = IntraOpProblem(p.node_cost, p.node_memory, (), 6.0, 10.0, (g,))
+    sol = solve_intra_op(limited)
+    assert sol.choices == (1, 1, 0) and sol.memory == 0.0 and sol.objective == 1.0

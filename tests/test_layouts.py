@@ -78,13 +78,23 @@ def test_mixed_precision_and_zero1_state_bytes() -> None:
 
     replicated = NodeStrategy((), ((Replicate(),),))
     sharded = NodeStrategy((), ((Shard(0),),))
-    plain = CostContext(cluster)
-    zero1 = CostContext(cluster, shard_optimizer=True)
-    # bf16 param + bf16 grad + fp32 master + 2 fp32 Adam states = 16 bytes per element
-    assert plain.node_memory(_Node, replicated) == 128 * 16
-    # ZeRO-1 splits master and states over the 8 replicas; a Shard(0) tensor has none
-    assert zero1.node_memory(_Node, replicated) == 128 * (4 + 12 / 8)
-    assert zero1.node_memory(_Node, sharded) == 16 * 16
+    policy = {"mixed_precision": True, "reduce_itemsize": 4}
+
+    def per_element(strategy: NodeStrategy, numel: int, **kw) -> float:
+        return CostContext(cluster, **kw).node_memory(_Node, strategy) / numel
+
+    # a bf16 model trained as it is (no policy): bf16 param + bf16 grad + 2 bf16 Adam states
+    assert per_element(replicated, 128) == 2 + 2 + 2 * 2
+    # bf16 policy: fp32 master + bf16 working copy + fp32 grad + 2 fp32 Adam states
+    assert per_element(replicated, 128, **policy) == 4 + 2 + 4 + 2 * 4
+    # ZeRO-1 under the policy, 8 replicas: bf16 working copy, the full bf16 gradient plus
+    # its fp32 reduce-scattered shard, fp32 master and states split over the replicas
+    assert per_element(replicated, 128, shard_optimizer=True, **policy) == 2 + (2 + 4 / 8) + 12 / 8
+    # ZeRO-2 keeps only the gradient shard
+    zero2 = {"shard_optimizer": True, "shard_gradients": True, **policy}
+    assert per_element(replicated, 128, **zero2) == 2 + 4 / 8 + 12 / 8
+    # a Shard(0) parameter has no replicas: nothing to split
+    assert per_element(sharded, 16, shard_optimizer=True, **policy) == 2 + (2 + 4) + 12
 
 
 def test_reshaped_cluster_keeps_tp_inside_a_node() -> None:
@@ -102,7 +112,7 @@ def test_reshaped_cluster_keeps_tp_inside_a_node() -> None:
 def test_megatron_1_7b_row_fits_and_matches_megatron() -> None:
     model, batch = _meta_gpt("megatron-1.7b", 192)
     cluster = Cluster.preset("dgx-h100", nodes=6)
-    options = SearchOptions(shard_optimizer=True)
+    options = SearchOptions(shard_optimizer=True, mixed_precision=True, reduce_itemsize=4)
     with fake_group(cluster.world_size):
         found = search_layout(model, batch, cluster, options)
         megatron, _, _ = _Pricer(model, batch, cluster, options, None).price(

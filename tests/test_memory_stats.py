@@ -34,6 +34,9 @@ def test_views_share_their_storage_and_frees_are_seen():
     stats = tracker.stats
     assert stats is not None
     assert stats.peak_bytes == 4096 * 2
+    # a freed storage's Python id is reused by the next one: the peak's breakdown still
+    # counts the storage alive at the peak
+    assert stats.breakdown["activations"] == 4096 and stats.breakdown["parameters"] == 4096
 
 
 def test_gradients_are_named_after_the_step():
@@ -46,3 +49,13 @@ def test_gradients_are_named_after_the_step():
     assert stats is not None
     assert stats.breakdown["gradients"] == 1024
     assert stats.breakdown["parameters"] == 1024
+
+
+def test_recategorize_charges_a_storage_made_during_the_step():
+    w = torch.ones(256)  # 1 KiB
+    with track_memory({"parameters": [w]}) as tracker:
+        state = torch.zeros_like(w)  # e.g. an optimizer state created by the first step
+        tracker.recategorize([state], "optimizer_state")
+    stats = tracker.stats
+    assert stats is not None
+    assert stats.breakdown["optimizer_state"] == 1024 and stats.breakdown["activations"] == 0

@@ -107,6 +107,31 @@ class PipelineArgs:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class PrecisionArgs:
+    """The memory levers: `--mixed-precision`, `--shard-optimizer`, `--shard-gradients`,
+    `--activation-checkpointing`, as `autopar.plan` and `autopar.compile` take them."""
+
+    mixed_precision: str | None = None
+    shard_optimizer: bool = False
+    shard_gradients: bool = False
+    activation_checkpointing: str = "auto"
+
+    def kwargs(self) -> dict:
+        return {
+            "mixed_precision": self.mixed_precision,
+            "shard_optimizer": self.shard_optimizer or self.shard_gradients,
+            "shard_gradients": self.shard_gradients,
+            "activation_checkpointing": self.activation_checkpointing,
+        }
+
+    def worker_args(self) -> list[str]:
+        out = ["--mixed-precision", self.mixed_precision] if self.mixed_precision else []
+        out += ["--shard-optimizer"] if self.shard_optimizer else []
+        out += ["--activation-checkpointing", self.activation_checkpointing]
+        return out + (["--shard-gradients"] if self.shard_gradients else [])
+
+
 def check_pipeline(
     cluster: Cluster, pipe: PipelineArgs, strategy: str | tuple[str, ...], batch_size: int
 ) -> None:
@@ -168,6 +193,26 @@ StagesOpt = Annotated[
 MicrobatchesOpt = Annotated[
     int | None,
     typer.Option("--microbatches", min=1, help="pipeline microbatches (divides the batch)"),
+]
+MixedPrecisionOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--mixed-precision",
+        help="bf16 or fp16: compute in that dtype, fp32 master weights and optimizer state",
+    ),
+]
+ShardOptimizerOpt = Annotated[
+    bool, typer.Option("--shard-optimizer", help="ZeRO-1: shard master and optimizer state")
+]
+ShardGradientsOpt = Annotated[
+    bool, typer.Option("--shard-gradients", help="ZeRO-2: shard the gradients too")
+]
+CheckpointingOpt = Annotated[
+    str,
+    typer.Option(
+        "--activation-checkpointing",
+        help="auto (searched per layer), none, selective or full",
+    ),
 ]
 ScheduleOpt = Annotated[
     str | None,

@@ -18,15 +18,20 @@ from rich.console import Console
 
 from autopar.cli.args import (
     BatchOpt,
+    CheckpointingOpt,
     ClusterOpt,
     ConfigOpt,
     MeshOpt,
     MicrobatchesOpt,
+    MixedPrecisionOpt,
     ModelArg,
     NamesOpt,
     NodesOpt,
     PipelineArgs,
+    PrecisionArgs,
     ScheduleOpt,
+    ShardGradientsOpt,
+    ShardOptimizerOpt,
     StagesOpt,
     StrategyOpt,
     TimeOpt,
@@ -63,6 +68,7 @@ def search(
     strategy: str | tuple[str, ...],
     time_limit: float,
     pipeline: PipelineArgs | None = None,
+    precision: PrecisionArgs | None = None,
 ) -> Plan:
     """`autopar.plan` on the model built on the meta device; raises what the search raises."""
     from autopar.api import plan as plan_api
@@ -75,6 +81,7 @@ def search(
         strategy=strategy,
         time_limit_s=time_limit,
         **(pipeline or PipelineArgs()).kwargs(),
+        **(precision or PrecisionArgs()).kwargs(),
     )
 
 
@@ -95,6 +102,10 @@ def plan_cmd(
     pipeline_stages: StagesOpt = None,
     microbatches: MicrobatchesOpt = None,
     schedule: ScheduleOpt = None,
+    mixed_precision: MixedPrecisionOpt = None,
+    shard_optimizer: ShardOptimizerOpt = False,
+    shard_gradients: ShardGradientsOpt = False,
+    activation_checkpointing: CheckpointingOpt = "auto",
 ) -> None:
     """Search a plan for MODEL on a cluster preset (no processes; built on the meta device)."""
     source = parse_model(model, config)
@@ -103,7 +114,10 @@ def plan_cmd(
     the_cluster = make_cluster(cluster, nodes, mesh, axis_names)
     check_pipeline(the_cluster, pipe, roles, batch_size)
     try:
-        result = search(source, config, batch_size, the_cluster, roles, time_limit, pipe)
+        precision = PrecisionArgs(
+            mixed_precision, shard_optimizer, shard_gradients, activation_checkpointing
+        )
+        result = search(source, config, batch_size, the_cluster, roles, time_limit, pipe, precision)
     except Exception as exc:  # the search's errors are messages for the user
         fail(f"planning failed: {exc}", code=1)
     typer.echo(summary(result))
@@ -165,6 +179,10 @@ def run_cmd(
     pipeline_stages: StagesOpt = None,
     microbatches: MicrobatchesOpt = None,
     schedule: ScheduleOpt = None,
+    mixed_precision: MixedPrecisionOpt = None,
+    shard_optimizer: ShardOptimizerOpt = False,
+    shard_gradients: ShardGradientsOpt = False,
+    activation_checkpointing: CheckpointingOpt = "auto",
 ) -> None:
     """Train MODEL on NPROC local gloo processes and compare with single-device training."""
     source = parse_model(model, config)
@@ -181,6 +199,9 @@ def run_cmd(
     args = ["--model", source.spec, "--batch-size", str(batch_size), "--mesh", mesh]
     args += ["--axis-names", ",".join(names), "--strategy", strategy, "--steps", str(steps)]
     args += [*(["--config", config] if config is not None else []), *pipe.worker_args()]
+    args += PrecisionArgs(
+        mixed_precision, shard_optimizer, shard_gradients, activation_checkpointing
+    ).worker_args()
     if plan is not None:
         if not plan.is_file():
             fail(f"--plan {plan}: no such file")

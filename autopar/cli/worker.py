@@ -38,12 +38,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pipeline-stages", type=int, default=None, help="pipeline stages")
     p.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches")
     p.add_argument("--schedule", default=None, help="pipeline schedule, e.g. 1f1b")
+    p.add_argument("--mixed-precision", default=None, help="bf16 or fp16")
+    p.add_argument("--shard-optimizer", action="store_true", help="ZeRO-1")
+    p.add_argument("--shard-gradients", action="store_true", help="ZeRO-2")
+    p.add_argument("--activation-checkpointing", default="auto", help="auto|none|selective|full")
     return p.parse_args(argv)
 
 
 def train(args: argparse.Namespace, rank: int) -> None:
     model, batch = load_model(args.model, args.config, args.batch_size)
-    ref = train_single_device(model, batch, args.steps, grads=False).losses if rank == 0 else []
+    mp = args.mixed_precision
+    ref = (
+        train_single_device(model, batch, args.steps, grads=False, mixed_precision=mp).losses
+        if rank == 0
+        else []
+    )
     mesh = tuple(int(s) for s in args.mesh.lower().split("x"))
     strategy = tuple(args.strategy.split(","))
     cluster = autopar.Cluster.local(mesh=mesh, axis_names=tuple(args.axis_names.split(",")))
@@ -57,6 +66,10 @@ def train(args: argparse.Namespace, rank: int) -> None:
         pipeline_stages=args.pipeline_stages,
         microbatches=args.microbatches,
         schedule=args.schedule,
+        mixed_precision=mp,
+        shard_optimizer=args.shard_optimizer or args.shard_gradients,
+        shard_gradients=args.shard_gradients,
+        activation_checkpointing=args.activation_checkpointing,
     )
     if rank == 0:
         print(summary(pm.plan), flush=True)

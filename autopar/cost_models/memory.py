@@ -11,24 +11,28 @@ dim ``d`` into ``ceil(size / n)`` (the largest shard, which is what a device mus
 what a padded collective moves). ``Replicate`` and ``Partial`` (incl. ``_MaskPartial``) keep
 the full size: a partial tensor is full-size on every device.
 
-Training state (``param_state_bytes``)
---------------------------------------
-``bytes = local_numel * per_element`` with, for a tensor of itemsize ``b`` and ``k``
-optimizer states (``OPTIMIZER_STATES``: AdamW/Adam 2, SGD with momentum / Adagrad /
-RMSprop 1, plain SGD 0):
+Training state (``param_state_bytes``, ``param_state_breakdown``)
+-----------------------------------------------------------------
+Exactly what the runtime holds per parameter (``autopar.runtime.optimizer``). For a local
+shard of ``N`` elements (``local_numel``), ``k`` optimizer states (``OPTIMIZER_STATES``:
+AdamW/Adam 2, SGD with momentum / Adagrad / RMSprop 1, plain SGD 0), ``w`` the itemsize of
+the captured dtype (the compute dtype under a mixed-precision policy, else the model's own)
+and ``m`` the itemsize of the master, gradient and states (4 under the policy, else ``w``):
 
-* not trained (buffer, input): ``b``;
-* fp32 (any dtype not bf16/fp16) parameter: ``2b + k*b`` (parameter, gradient, states in
-  the parameter's dtype, as PyTorch's optimizers keep them);
-* bf16/fp16 parameter, trained in mixed precision as Megatron and torchtitan do:
-  ``2b + 4*(1 + k)`` (parameter and gradient in its own dtype, an fp32 master copy and fp32
-  states).
+* not trained (buffer, input): ``N*w`` (category ``buffers``);
+* plain (the model's own dtype, bf16 included: no master copy):
+  parameters ``N*w``, gradients ``N*w``, optimizer_state ``k*N*w``;
+* mixed precision (``mixed_precision``): parameters ``N*4`` (the fp32 master the program
+  reads) ``+ N*w`` (its compute-dtype cast, saved for backward), gradients ``N*4`` (reduced
+  in ``reduce_dtype``, held fp32), optimizer_state ``k*N*4``;
+* ZeRO (``shard_optimizer``), with ``S = ceil(N / R)`` (``R = replicas``, the flat shard is
+  padded): parameters ``N*w`` (the working parameter), optimizer_state ``(1 + k)*S*m`` (the
+  flat master and states), gradients ``S*m`` (the flat gradient shard) ``+ N*w`` (the
+  full-size gradient buffer, ZeRO-1 only; ZeRO-2, ``shard_gradients``, frees it in backward).
 
-With ``shard_optimizer`` (ZeRO-1, Megatron's distributed optimizer) the master copy and
-states (the ``k*b`` or ``4*(1 + k)`` term) are divided by ``replicas``, the number of
-devices holding the same shard (product of the sizes of the mesh axes on which the spec
-is ``Replicate``), at no extra time: reduce-scatter + all-gather moves what the gradient
-all-reduce already does.
+Time: ZeRO's reduce-scatter (in backward) + all-gather (after the update) move the volume
+of the all-reduce the search prices for a replicated parameter's gradient, so the search
+keeps pricing that all-reduce.
 
 Activations
 -----------
@@ -52,6 +56,7 @@ __all__ = [
     "local_numel",
     "local_shape",
     "optimizer_states",
+    "param_state_breakdown",
     "param_state_bytes",
     "replicas",
     "shard_dim",
@@ -67,7 +72,7 @@ OPTIMIZER_STATES: dict[str, int] = {
     "adagrad": 1,
     "rmsprop": 1,
 }
-LOW_PRECISION = (torch.bfloat16, torch.float16)  # trained with an fp32 master copy
+LOW_PRECISION = (torch.bfloat16, torch.float16)  # the compute dtypes of the policy
 FP32_BYTES = 4
 
 
@@ -126,17 +131,54 @@ def state_bytes_per_element(
     trained: bool = True,
     replicas: int = 1,
     shard_optimizer: bool = False,
+    shard_gradients: bool = False,
+    mixed_precision: bool = False,
 ) -> float:
     """Bytes per local element of a tensor and, when ``trained``, its gradient, master copy
-    and ``states`` optimizer states (see the module docstring)."""
-    size = dtype.itemsize
+    and ``states`` optimizer states, padding aside (see the module docstring)."""
+    w = dtype.itemsize
     if not trained:
-        return size
-    if dtype in LOW_PRECISION:
-        master_and_states = FP32_BYTES * (1 + states)
-    else:
-        master_and_states = size * states
-    return 2 * size + master_and_states / (replicas if shard_optimizer else 1)
+        return w
+    m = FP32_BYTES if mixed_precision else w
+    if not shard_optimizer:
+        return (m + w if mixed_precision else w) + m + states * m
+    grads = m / replicas + (0 if shard_gradients else w)
+    return w + grads + (1 + states) * m / replicas
+
+
+def param_state_breakdown(
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    spec: Sequence[Any],
+    mesh_shape: Sequence[int],
+    *,
+    optimizer: int | str = 2,
+    trained: bool = True,
+    shard_optimizer: bool = False,
+    shard_gradients: bool = False,
+    mixed_precision: bool = False,
+) -> dict[str, float]:
+    """Bytes one device holds for a parameter (``trained``) or a buffer/input placed as
+    ``spec``, by memory category (parameters, gradients, optimizer_state; buffers when not
+    trained). ``dtype``: the captured one (the compute dtype under the policy)."""
+    states = optimizer_states(optimizer) if isinstance(optimizer, str) else optimizer
+    n = local_numel(shape, spec, mesh_shape)
+    w = dtype.itemsize
+    if not trained:
+        return {"buffers": float(n * w)}
+    m = FP32_BYTES if mixed_precision else w
+    if not shard_optimizer:
+        return {
+            "parameters": float(n * m + (n * w if mixed_precision else 0)),
+            "gradients": float(n * m),
+            "optimizer_state": float(states * n * m),
+        }
+    s = -(-n // replicas(spec, mesh_shape))
+    return {
+        "parameters": float(n * w),
+        "gradients": float(s * m + (0 if shard_gradients else n * w)),
+        "optimizer_state": float((1 + states) * s * m),
+    }
 
 
 def param_state_bytes(
@@ -148,19 +190,24 @@ def param_state_bytes(
     optimizer: int | str = 2,
     trained: bool = True,
     shard_optimizer: bool = False,
+    shard_gradients: bool = False,
+    mixed_precision: bool = False,
 ) -> float:
-    """Bytes one device holds for a parameter (``trained``) or a buffer/input placed as
-    ``spec``: its local shard times ``state_bytes_per_element``. ``optimizer``: a name in
+    """The total of ``param_state_breakdown``. ``optimizer``: a name in
     ``OPTIMIZER_STATES`` or the number of state tensors per parameter."""
-    states = optimizer_states(optimizer) if isinstance(optimizer, str) else optimizer
-    per_element = state_bytes_per_element(
-        dtype,
-        states,
-        trained=trained,
-        replicas=replicas(spec, mesh_shape),
-        shard_optimizer=shard_optimizer,
+    return sum(
+        param_state_breakdown(
+            shape,
+            dtype,
+            spec,
+            mesh_shape,
+            optimizer=optimizer,
+            trained=trained,
+            shard_optimizer=shard_optimizer,
+            shard_gradients=shard_gradients,
+            mixed_precision=mixed_precision,
+        ).values()
     )
-    return float(local_numel(shape, spec, mesh_shape) * per_element)
 
 
 def activation_bytes(

@@ -27,15 +27,19 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from autopar._compat import local_tensor, make_fx, tree_flatten, tree_unflatten
 from autopar.capture import Captured
+from autopar.capture.export import layer_of
+from autopar.passes.precision import ParamBoundary
+from autopar.passes.recompute import backward_phase, recompute_activations, tag_layer
 from autopar.passes.strategies import register_dtensor_rules
 from autopar.plan import Plan, parse_spec
 
@@ -50,6 +54,8 @@ class LocalStep:
     param_names: list[str]  # placeholder names, in the order gm takes them
     buffer_names: list[str]
     input_names: list[str]
+    # after the inputs: flat master shards (ZeRO), the loss scale (`passes.precision`)
+    extra_names: list[str] = field(default_factory=list)
 
 
 class PlacedInterpreter(fx.Interpreter):
@@ -63,6 +69,7 @@ class PlacedInterpreter(fx.Interpreter):
         self.replicated = tuple(Replicate() for _ in range(mesh.ndim))
 
     def run_node(self, n: fx.Node):
+        tag_layer(layer_of(n))  # what recompute_activations reads off the traced nodes
         if n.op != "call_function" or n.target is operator.getitem:
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
@@ -169,23 +176,45 @@ def lower_plan(
     inputs = list(captured.user_inputs)
     order = params + buffers + inputs
     interp = PlacedInterpreter(captured.gm, plan, mesh)
+    # mixed precision / ZeRO / loss scaling at the parameters (passes.precision)
+    boundary = ParamBoundary.of(plan)
+    extras = boundary.extra_names(params)
 
     def step(*locals_: torch.Tensor):
+        given, extra = locals_[: len(order)], locals_[len(order) :]
         env = {}
-        for name, local in zip(order, locals_, strict=True):
+        for i, (name, local) in enumerate(zip(order, given, strict=True)):
             t = tensors[name]
-            env[name] = _wrap(local, parse_spec(t.spec), t.shape, mesh)
+            if i < len(params) and not boundary.plain:
+                flat = extra[i] if boundary.shard_optimizer else None
+                env[name] = boundary.wrap(local, parse_spec(t.spec), t.shape, mesh, flat)
+            else:
+                env[name] = _wrap(local, parse_spec(t.spec), t.shape, mesh)
         loss = interp.run(
             *[env[ph.name] for ph in captured.placeholders()], enable_io_processing=False
         )
         loss = loss[0] if isinstance(loss, (tuple, list)) else loss
         loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
-        grads = torch.autograd.grad(loss, list(locals_[: len(params)]), allow_unused=True)
+        targets = boundary.grad_targets(given[: len(params)], extra)
+        with backward_phase():
+            grads = torch.autograd.grad(
+                boundary.scaled_loss(loss, extra), targets, allow_unused=True
+            )
         grads = [
-            torch.zeros_like(p) if g is None else g for g, p in zip(grads, locals_, strict=False)
+            torch.zeros_like(p) if g is None else g for g, p in zip(grads, targets, strict=True)
         ]
         return (loss.detach(), *grads)
 
-    examples = [example_locals[n] for n in order]
-    gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=False)(*examples)
-    return LocalStep(gm=gm, param_names=params, buffer_names=buffers, input_names=inputs)
+    examples = [example_locals[n] for n in order + extras]
+    with fx_traceback.preserve_node_meta():
+        gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=False)(*examples)
+    gm = recompute_activations(gm, plan.memory, _placeholder_names(gm, order, inputs))
+    return LocalStep(
+        gm=gm, param_names=params, buffer_names=buffers, input_names=inputs, extra_names=extras
+    )
+
+
+def _placeholder_names(gm: fx.GraphModule, order: list[str], names: list[str]) -> list[str]:
+    """The traced program's placeholder names (arg0_1, ...) of the captured ones `names`."""
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return [placeholders[order.index(name)] for name in names]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -47,6 +47,11 @@ class MemoryStats:
     predicted_bytes: float | None = None
     predicted_breakdown: Mapping[str, float] = field(default_factory=dict)
 
+    def with_prediction(self, total: float | None, breakdown: Mapping[str, float]) -> MemoryStats:
+        """These measurements beside a plan's prediction (`Plan.predicted_peak_memory`,
+        `Plan.predicted_memory`)."""
+        return replace(self, predicted_bytes=total, predicted_breakdown=dict(breakdown))
+
     @property
     def ratio(self) -> float | None:
         """measured / predicted (None without a prediction)."""
@@ -70,7 +75,8 @@ class _LiveBytes(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.peak_at = 0
-        self.storages: dict[int, _Storage] = {}
+        self.storages: dict[int, _Storage] = {}  # live or last storage per Python id
+        self.history: list[_Storage] = []  # every storage seen (ids are reused after a free)
 
     def charge(self, t: torch.Tensor, category: str) -> None:
         storage = t.untyped_storage()
@@ -78,7 +84,9 @@ class _LiveBytes(TorchDispatchMode):
         if key in self.storages and self.storages[key].died is None:
             return
         self.clock += 1
-        self.storages[key] = _Storage(storage.nbytes(), category, self.clock)
+        entry = _Storage(storage.nbytes(), category, self.clock)
+        self.storages[key] = entry
+        self.history.append(entry)
         self.live += storage.nbytes()
         if self.live > self.peak:
             self.peak, self.peak_at = self.live, self.clock
@@ -94,7 +102,7 @@ class _LiveBytes(TorchDispatchMode):
 
     def recategorize(self, t: torch.Tensor, category: str) -> None:
         entry = self.storages.get(id(t.untyped_storage()))
-        if entry is not None:
+        if entry is not None and entry.died is None:
             entry.category = category
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -106,7 +114,7 @@ class _LiveBytes(TorchDispatchMode):
 
     def breakdown_at_peak(self) -> dict[str, int]:
         out = dict.fromkeys(CATEGORIES, 0)
-        for entry in self.storages.values():
+        for entry in self.history:
             alive = entry.born <= self.peak_at and (entry.died is None or entry.died > self.peak_at)
             if alive:
                 out[entry.category] = out.get(entry.category, 0) + entry.nbytes
@@ -123,9 +131,15 @@ class MemoryTracker:
     def gradients(self, grads: Iterable[torch.Tensor | None]) -> None:
         """The step's outputs that are parameter gradients (charged as activations until
         the step returned them)."""
-        for g in grads:
-            if g is not None:
-                self._mode.recategorize(g, "gradients")
+        self.recategorize(grads, "gradients")
+
+    def recategorize(self, tensors: Iterable[torch.Tensor | None], category: str) -> None:
+        """Charge live `tensors` made during the step (gradients, optimizer state created by
+        the first step) to `category` for the whole of their life."""
+        assert category in CATEGORIES, category
+        for t in tensors:
+            if t is not None:
+                self._mode.recategorize(t, category)
 
 
 @contextmanager

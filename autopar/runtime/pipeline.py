@@ -17,15 +17,18 @@ schedule ran, its gradients are summed over the pipeline axis (non-owners add ze
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from autopar._compat import aot_function
+from autopar._compat import aot_function, default_partition
 from autopar.cost_models.memory import local_shape
 from autopar.passes.lower import PlacedInterpreter, _wrap
+from autopar.passes.precision import ParamBoundary
+from autopar.passes.recompute import recompute_activations, recomputed_nodes
 from autopar.passes.stages import StageGraph
-from autopar.plan import Plan, parse_spec
+from autopar.plan import MemoryPlan, Plan, parse_spec
 from autopar.runtime.inductor import aot_compiler
 from autopar.runtime.shards import local_chunk
 
@@ -57,11 +60,17 @@ class StageModule(nn.Module):
         self._shapes = [global_shape(stage, n) for n in stage.params + stage.buffers + stage.inputs]
         self._out_specs = [None if n == "loss" else boundary_spec(plan, n) for n in stage.outputs]
         interp = PlacedInterpreter(stage.gm, plan, mesh)
+        # mixed precision: parameters cast at the boundary (passes.precision)
+        boundary, n_params = ParamBoundary.of(plan), len(stage.params)
 
         def program(*locals_):
             env = [
-                _wrap(x, spec, shape, mesh)
-                for x, spec, shape in zip(locals_, self._specs, self._shapes, strict=True)
+                boundary.wrap(x, spec, shape, mesh)
+                if i < n_params and not boundary.plain
+                else _wrap(x, spec, shape, mesh)
+                for i, (x, spec, shape) in enumerate(
+                    zip(locals_, self._specs, self._shapes, strict=True)
+                )
             ]
             outs = interp.run(*env, enable_io_processing=False)
             outs = outs if isinstance(outs, (tuple, list)) else (outs,)
@@ -71,12 +80,43 @@ class StageModule(nn.Module):
 
         # fusion="inductor": the stage's forward and backward graphs go to torch.compile
         compiler = aot_compiler if plan.fusion == "inductor" else _identity_compiler
-        self._program = aot_function(program, fw_compiler=compiler, bw_compiler=compiler)
+        n_state = len(stage.params) + len(stage.buffers)
+        # nodes the joint graph re-emits in backward (known after the first call)
+        self.recomputed: list[int] = []
+        partition = _recompute_partition(plan.memory, n_state, len(stage.inputs), self.recomputed)
+        self._program = aot_function(
+            program, fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition
+        )
 
     def forward(self, *inputs: torch.Tensor):
         buffers = [getattr(self, f"b{i}") for i in range(len(self.stage.buffers))]
         outs = self._program(*self.shards, *buffers, *inputs)
         return outs[0] if len(outs) == 1 else outs
+
+
+def _recompute_partition(memory: MemoryPlan, n_state: int, n_inputs: int, counts: list[int]):
+    """AOTAutograd's default partition of the joint graph, after `recompute_activations`
+    moved what the memory plan recomputes into its backward half: the forward graph then
+    saves only what backward still reads (the kept values).
+
+    The joint graph's first placeholders are the stage program's arguments (shards,
+    buffers, then the activations entering the stage); its forward half ends at the last
+    node AOTAutograd tagged forward."""
+
+    def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
+        nodes = list(joint.graph.nodes)
+        primals = [n for n in nodes if n.op == "placeholder"][: n_state + n_inputs]
+        forward_end = max(
+            i
+            for i, n in enumerate(nodes)
+            if n in primals or n.meta.get("partitioner_tag") == "is_forward"
+        )
+        activations = [n.name for n in primals[n_state:]]
+        joint = recompute_activations(joint, memory, activations, forward_end + 1)
+        counts.append(recomputed_nodes(joint))
+        return default_partition(joint, joint_inputs, **kwargs)
+
+    return partition
 
 
 def _to_local(value, spec, mesh: DeviceMesh) -> torch.Tensor:

@@ -12,6 +12,8 @@ from torch.distributed.pipelining import schedules as pp_schedules
 from autopar.capture import Captured
 from autopar.passes.stages import split_stages
 from autopar.plan import SCHEDULES, Plan, parse_spec, stage_ranks
+from autopar.runtime.memory_stats import optimizer_state_tensors
+from autopar.runtime.optimizer import LossScaler
 from autopar.runtime.parallel_model import OptimizerFactory, TrainingSteps
 from autopar.runtime.pipeline import StageModule, _example, boundary_spec
 from autopar.runtime.shards import gather_full, local_chunk
@@ -28,7 +30,14 @@ class PipelineModel(TrainingSteps):
         world_mesh: DeviceMesh,
         optimizer: OptimizerFactory | None = None,
     ):
+        if plan.memory.shard_optimizer:
+            raise ValueError(
+                "shard_optimizer / shard_gradients (ZeRO) do not run with pipelining yet: "
+                "compile without them, or without pipeline stages"
+            )
         self.plan, self.captured, self.world_mesh = plan, captured, world_mesh
+        # fp16: dynamic loss scaling (runtime.optimizer)
+        self.scaler = LossScaler() if plan.memory.loss_scaling else None
         self.mesh = world_mesh[plan.stage_axis_names]  # this rank's stage submesh
         self.pp_group = world_mesh.get_group("pp")
         self.pp_rank = world_mesh.get_local_rank("pp")
@@ -45,7 +54,7 @@ class PipelineModel(TrainingSteps):
             self._pipeline_stage(graphs[s], m, len(graphs)) for s, m in self.modules.items()
         ]
         self._tied = _tied_params(graphs)
-        self.schedule = _make_schedule(plan, self.stages)
+        self.schedule = _make_schedule(plan, self.stages, self._loss)
         params = [p for m in self.modules.values() for p in m.shards]
         self.optimizer = optimizer(params) if optimizer else None
         self._is_last = (len(graphs) - 1) in self.modules
@@ -81,13 +90,30 @@ class PipelineModel(TrainingSteps):
             kwargs.update(target=dummy, losses=losses)
         self.schedule.step(*args, **kwargs) if self._first else self.schedule.step(**kwargs)
         self._sync_tied_grads()
+        if self.scaler is not None:
+            self.scaler.unscale(g for g in self.local_grads().values() if g is not None)
         local = (
-            torch.stack([loss.detach() for loss in losses]).mean()
+            torch.stack([loss.detach().float() for loss in losses]).mean()
             if losses and self._stage_coord_zero()
             else torch.zeros(())
         )
         dist.all_reduce(local)
-        return local
+        return local / self.scaler.scale if self.scaler is not None else local
+
+    def optimizer_step(self) -> None:
+        """fp16: skip the step if any rank's gradients overflowed (`LossScaler`)."""
+        if self.scaler is not None and self.optimizer is not None:
+            grads = [g for g in self.local_grads().values() if g is not None]
+            finite = self.scaler.all_finite(grads)
+            self.scaler.update(finite)
+            if not finite:
+                self.optimizer.zero_grad(set_to_none=True)
+                return
+        super().optimizer_step()
+
+    def _loss(self, output: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
+        """The last stage's program already computes the microbatch loss (fp16: scaled)."""
+        return output.float() * self.scaler.scale if self.scaler is not None else output
 
     # ---- state -------------------------------------------------------------------------
     def local_grads(self) -> dict[str, torch.Tensor | None]:
@@ -96,6 +122,22 @@ class PipelineModel(TrainingSteps):
             for name, p in zip(m.stage.params, m.shards, strict=True):
                 out[self.captured.params[name]] = p.grad
         return out
+
+    def predicted_memory(self) -> tuple[float, dict[str, float]]:
+        """This pipeline rank's prediction (`plan.solver["predicted_memory_per_pp_rank"]`)."""
+        ranks = self.plan.solver.get("predicted_memory_per_pp_rank")
+        if not ranks:
+            return super().predicted_memory()
+        mine = dict(ranks[self.pp_rank])
+        return sum(mine.values()), mine
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor | None]]:
+        return {
+            "parameters": [p for m in self.modules.values() for p in m.shards],
+            "buffers": [b for m in self.modules.values() for b in m.buffers()],
+            "gradients": list(self.local_grads().values()),
+            "optimizer_state": optimizer_state_tensors(self.optimizer),
+        }
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         tensors = {t.name: t for t in self.plan.tensors}
@@ -116,6 +158,9 @@ class PipelineModel(TrainingSteps):
     # ---- helpers -----------------------------------------------------------------------
     def _microbatched_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
         spec = boundary_spec(self.plan, name)
+        dtype = self.plan.memory.param_dtype
+        if dtype is not None and full.is_floating_point():  # the policy casts float inputs
+            full = full.to(getattr(torch, dtype))
         chunks = full.chunk(self.plan.microbatches, dim=0)
         return torch.cat([local_chunk(c, spec, self.mesh) for c in chunks])
 
@@ -181,9 +226,8 @@ SCHEDULE_CLASSES = {
 }
 
 
-def _make_schedule(plan: Plan, stages: list[PipelineStage]):
+def _make_schedule(plan: Plan, stages: list[PipelineStage], loss_fn):
     cls = getattr(pp_schedules, SCHEDULE_CLASSES[plan.schedule])
-    loss_fn = _stage_output_is_loss
     if SCHEDULES[plan.schedule] == 1:
         return cls(stages[0], plan.microbatches, loss_fn=loss_fn)
     return cls(stages, plan.microbatches, loss_fn=loss_fn)
@@ -191,8 +235,3 @@ def _make_schedule(plan: Plan, stages: list[PipelineStage]):
 
 def _nothing_left():
     return lambda: None
-
-
-def _stage_output_is_loss(output: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
-    """The last stage's program already computes the microbatch loss."""
-    return output

@@ -14,6 +14,7 @@ fusion nor the runtime. The orchestration of a plan/compile call is `autopar.pla
 
 from autopar.search.ilp import (
     Edge,
+    GatedEdge,
     IntraOpProblem,
     IntraOpSolution,
     MemoryInfeasible,
@@ -23,6 +24,7 @@ from autopar.search.ilp import (
 
 __all__ = [
     "Edge",
+    "GatedEdge",
     "IntraOpProblem",
     "IntraOpSolution",
     "MemoryInfeasible",

@@ -3,15 +3,22 @@
 node cost  = roofline(flops * (1 + backward_factor) / split, bytes * (2) / split) where
              `split` = product of the sizes of the mesh axes on which the strategy divides the
              work (some input or output Shard or Partial on that axis).
+forward    = roofline(flops / split, bytes / split): `forward_time`, what recomputing the node
+             in backward costs (`autopar.search.levers`).
 edge cost  = redistribute(producer output -> consumer input), plus one link latency per
              collective for its launch and synchronization (why DDP's one all-reduce
              beats FSDP's all-gather + reduce-scatter of the same volume when both fit)
            + redistribute(gradient at consumer input -> gradient placement at producer):
              the gradient of an input the consumer takes Replicate on an axis where its work
              is split is Partial there; a Partial forward output receives a Replicate grad.
+             Under mixed precision a weight's gradient reduced where the parameter enters
+             the program (edges without a forward reshard: the DP all-reduce, ZeRO's
+             reduce-scatter) moves `reduce_itemsize` bytes per element; a gathered
+             weight's (FSDP's reduce-scatter) and every other value its captured dtype's.
 memory     = placeholders: `cost_models.memory.param_state_bytes` (local shard x (param +
-             grad + optimizer states), mixed precision for bf16/fp16 parameters, ZeRO-1 with
-             `shard_optimizer`); other nodes: `activation_bytes` of their outputs (saved
+             grad + optimizer states), as the runtime holds them: fp32 master under the
+             mixed-precision policy, ZeRO with `shard_optimizer` / `shard_gradients`);
+             other nodes: `activation_bytes` of their outputs (saved
              for backward), 0 for views and getitems (the producer counts its outputs).
 
 Inputs are operands (`autopar.capture.operands`): an edge joins the producer of an operand
@@ -84,15 +91,23 @@ class CostContext:
         weights: CostWeights | None = None,
         shard_optimizer: bool = False,
         batch_dependent: set[fx.Node] | None = None,
+        *,
+        shard_gradients: bool = False,
+        mixed_precision: bool = False,
+        reduce_itemsize: int | None = None,
     ):
         self.cluster = cluster
         self.mesh_shape = cluster.mesh_shape
         self.optimizer_states = optimizer_states
         self.shard_optimizer = shard_optimizer
+        self.shard_gradients = shard_gradients
+        self.mixed_precision = mixed_precision
+        self.reduce_itemsize = reduce_itemsize
         self.batch_dependent = batch_dependent
         self.weights = weights or CostWeights()
         self._inputs: dict[fx.Node, list[tuple[int, Operand]]] = {}
         self._flops: dict[fx.Node, tuple[float, float, str]] = {}
+        self._forward_work: dict[fx.Node, tuple[float, float]] = {}
 
     # ---- graph helpers -------------------------------------------------------------------
     def operands(self, n: fx.Node) -> list[tuple[int, Operand]]:
@@ -114,11 +129,22 @@ class CostContext:
         split = self._split(s)
         return compute.compute_time(flops / split, nbytes / split, dtype, self.cluster)
 
+    def forward_time(self, n: fx.Node, s: NodeStrategy) -> float:
+        """The forward share of `node_cost` (what recomputing the node in backward costs):
+        roofline(flops / split, bytes / split)."""
+        if n.op != "call_function" or n.target in VIEW_OPS or n.target is operator.getitem:
+            return 0.0
+        _, _, dtype = self._work(n)
+        fwd, nbytes = self._forward_work[n]
+        split = self._split(s)
+        return compute.compute_time(fwd / split, nbytes / split, dtype, self.cluster)
+
     def _work(self, n: fx.Node) -> tuple[float, float, str]:
         if n not in self._flops:
-            fwd = compute.node_flops(n)
+            fwd, fwd_bytes = compute.node_flops(n), compute.node_bytes(n)
+            self._forward_work[n] = (fwd, fwd_bytes)
             flops = fwd * (1.0 + compute.backward_factor(n))
-            nbytes = compute.node_bytes(n) * 2.0
+            nbytes = fwd_bytes * 2.0
             val = _first_tensor(n.meta.get("val"))
             dtype = str(val.dtype).removeprefix("torch.") if val is not None else "float32"
             self._flops[n] = (flops, nbytes, dtype)
@@ -146,6 +172,8 @@ class CostContext:
                 optimizer=self.optimizer_states,
                 trained=is_param(n),
                 shard_optimizer=self.shard_optimizer,
+                shard_gradients=self.shard_gradients,
+                mixed_precision=self.mixed_precision,
             )
         if n.target in VIEW_OPS or n.target is operator.getitem or n.op != "call_function":
             return 0.0
@@ -166,10 +194,13 @@ class CostContext:
     def is_activation(self, n: fx.Node) -> bool:
         return n.op == "call_function"
 
+    def memory_weight(self, n: fx.Node) -> float:
+        """How often `n`'s memory counts in the ILP (see `CostWeights`)."""
+        return self.weights.of(n) * (self.weights.activation if self.is_activation(n) else 1.0)
+
     def weighted_memory(self, n: fx.Node, s: NodeStrategy) -> float:
         """Memory as the ILP counts it (see `CostWeights`)."""
-        w = self.weights.of(n) * (self.weights.activation if self.is_activation(n) else 1.0)
-        return w * self.node_memory(n, s)
+        return self.memory_weight(n) * self.node_memory(n, s)
 
     # ---- edges -----------------------------------------------------------------------------
     def edge_cost(self, op: Operand, src, v: fx.Node, s: NodeStrategy, pos: int) -> float:
@@ -192,9 +223,14 @@ class CostContext:
         grad_dst = self._grad_spec_at_consumer(dst, s)
         grad_src = tuple(Replicate() if p.is_partial() else p for p in src)
         shape, size = tuple(val.shape), val.element_size()
+        grad_size = size
+        if self.reduce_itemsize and self.is_weight(op.producer) and same_spec(src, dst):
+            # a weight's gradient not reduced by a forward gather's backward reaches the
+            # parameter partial and is reduced there, in reduce_dtype (`passes.precision`)
+            grad_size = self.reduce_itemsize
         return (
             self._redistribute(tuple(src), tuple(dst), shape, size),
-            self._redistribute(grad_dst, grad_src, shape, size),
+            self._redistribute(grad_dst, grad_src, shape, grad_size),
         )
 
     def _grad_spec_at_consumer(self, dst, s: NodeStrategy):

@@ -3,7 +3,10 @@
 Each *decision* ``i`` (a node, or a group of nodes sharing one strategy) picks one of
 ``K_i`` *choices* (a sharding strategy).  Choosing costs ``node_cost[i][k]`` seconds and
 ``node_memory[i][k]`` bytes per device; an :class:`Edge` ``(u, v)`` adds the resharding cost
-``cost[a][b]`` when ``u`` picks ``a`` and ``v`` picks ``b``.
+``cost[a][b]`` (and, optionally, the memory ``memory[a][b]``, of either sign) when ``u``
+picks ``a`` and ``v`` picks ``b``. A :class:`GatedEdge` ``(u, v | w = c)`` adds its
+``cost[a][b]`` / ``memory[a][b]`` (both >= 0) only when moreover ``w`` picks ``c`` (a
+three-way term: a layer's recompute or reshard decision on a resharding edge).
 
 Formulation (after the reductions below)::
 
@@ -12,9 +15,14 @@ Formulation (after the reductions below)::
     e[u,v,a,b] in {0,1}             linearizes s[u,a] * s[v,b]    (_add_edge_vars)
     sum_b e[u,v,a,b] = s[u,a]       for every a                   (_add_edge_vars)
     sum_a e[u,v,a,b] = s[v,b]       for every b  (=> sum e = 1)   (_add_edge_vars)
-    sum_i sum_k mem[i][k] s[i,k] <= memory_limit                  (_add_memory_constraint)
-    min  sum_i sum_k c[i][k] s[i,k] + sum_(u,v) sum_(a,b) C[a][b] e[u,v,a,b]
+    z[g,a,b] >= s[u,a] + s[v,b] + s[w,c] - 2,  z >= 0              (_add_gate_vars)
+    sum_i sum_k mem[i][k] s[i,k] + sum M[a][b] e[u,v,a,b] + sum G_mem z <= memory_limit
+                                                                  (_add_memory_constraint)
+    min  sum_i sum_k c[i][k] s[i,k] + sum_(u,v) sum_(a,b) C[a][b] e[u,v,a,b] + sum G z
                                                                   (_set_objective)
+
+``z`` is continuous: its coefficients are >= 0 in the objective and in the ``<=`` memory
+row, so at an optimum it sits at its lower bound, the product of the three choices.
 
 Reductions (:func:`_reduce`) that keep the model small:
 
@@ -24,14 +32,17 @@ Reductions (:func:`_reduce`) that keep the model small:
 * Self edges ``u == v`` (a repeated layer feeding its own input decision) can only take
   the diagonal, so ``cost[a][a]`` is added to the node cost.
 * Edges between the same pair are merged by summing cost matrices (``(v, u)`` transposed).
-* Separable matrices ``C[a][b] = r[a] + c[b]`` (all-zero included) are folded into the node
-  costs (``_fold_separable``); no ``e`` variables.
+* Separable matrices ``C[a][b] = r[a] + c[b]`` (all-zero included; the memory matrix too)
+  are folded into the node costs and memories (``_fold_separable``); no ``e`` variables.
+* A gated edge whose gate ``w`` has one allowed choice is an edge (or nothing); its fixed
+  endpoints become constants, and with one free literal left it is a node term.
 * ``e`` variables whose cost is ``inf`` are not created, which forbids that pair.
 * The memory constraint is dropped when even the largest choices fit.
 
 Costs span ~1e-6..1e2 s: coefficients are shifted by the per-decision minimum (the constant
 stays outside the model so the solver's relative gap sees only the rest) and divided by the
-largest one (memory likewise); objective / memory are recomputed by :func:`evaluate`.
+largest one (memory likewise; an edge's memory is shifted by its own minimum, since exactly
+one of its ``e`` is 1); objective / memory are recomputed by :func:`evaluate`.
 
 Solver: OR-Tools MathOpt with HiGHS; CP-SAT (``num_workers=8``) when HiGHS is unavailable,
 errors out or finds no solution within the time limit.
@@ -41,33 +52,25 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 from ortools.math_opt.python import mathopt
 
+from autopar.search.ilp_problem import (  # noqa: F401 - re-exported
+    Edge,
+    GatedEdge,
+    IntraOpProblem,
+    Matrix,
+    _reduce,
+    _Reduced,
+    evaluate,
+)
+
 _REL_GAP = 1e-7  # MIP relative gap tolerance handed to the solver
-_SEP_TOL = 1e-9  # relative tolerance of the separability test
 _CPSAT_WORKERS = 8
 _TR = mathopt.TerminationReason
 _PROVEN_INFEASIBLE = (_TR.INFEASIBLE, _TR.INFEASIBLE_OR_UNBOUNDED)
-Matrix = list[list[float]]
-
-
-@dataclass(frozen=True, slots=True)
-class Edge:
-    u: int
-    v: int
-    cost: tuple[tuple[float, ...], ...]  # [choice_u][choice_v], seconds
-
-
-@dataclass(frozen=True, slots=True)
-class IntraOpProblem:
-    node_cost: tuple[tuple[float, ...], ...]  # per decision, per choice (seconds)
-    node_memory: tuple[tuple[float, ...], ...]  # per decision, per choice (bytes per device)
-    edges: tuple[Edge, ...]
-    memory_limit: float  # bytes per device
-    time_limit_s: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,131 +98,14 @@ class MemoryInfeasible(ValueError):
         return type(self), (self.min_memory, self.memory_limit, str(self))
 
 
-def evaluate(problem: IntraOpProblem, choices: tuple[int, ...] | list[int]) -> tuple[float, float]:
-    """Price an assignment: ``(objective seconds, memory bytes)``; inf if it is forbidden."""
-    if len(choices) != len(problem.node_cost):
-        raise ValueError(f"{len(choices)} choices for {len(problem.node_cost)} decisions")
-    if any(not 0 <= k < len(c) for k, c in zip(choices, problem.node_cost, strict=True)):
-        raise ValueError(f"choice out of range in {tuple(choices)}")
-    obj = math.fsum(problem.node_cost[i][k] for i, k in enumerate(choices))
-    obj += math.fsum(e.cost[choices[e.u]][choices[e.v]] for e in problem.edges)
-    mem = math.fsum(problem.node_memory[i][k] for i, k in enumerate(choices))
-    return obj, mem
-
-
-@dataclass(slots=True)
-class _Reduced:
-    cost: Matrix  # node cost per decision/choice, edges folded in where possible
-    allowed: list[list[int]]  # allowed choices per decision
-    pairs: dict[tuple[int, int], Matrix]  # u < v, both free, not separable
-
-    def fixed(self, i: int) -> bool:
-        return len(self.allowed[i]) == 1
-
-    def min_memory(self, memory: tuple[tuple[float, ...], ...]) -> float:
-        return math.fsum(min(memory[i][k] for k in ks) for i, ks in enumerate(self.allowed))
-
-
-def _validate(p: IntraOpProblem) -> None:
-    n = len(p.node_cost)
-    if len(p.node_memory) != n:
-        raise ValueError("node_cost and node_memory differ in length")
-    for i, (c, m) in enumerate(zip(p.node_cost, p.node_memory, strict=True)):
-        if not c or len(c) != len(m) or any(math.isnan(x) or x == -math.inf for x in (*c, *m)):
-            raise ValueError(f"decision {i}: empty, mismatched, NaN or -inf cost/memory")
-    for e in p.edges:
-        if not (0 <= e.u < n and 0 <= e.v < n):
-            raise ValueError(f"edge {e.u}->{e.v} out of range")
-        ku, kv = len(p.node_cost[e.u]), len(p.node_cost[e.v])
-        if len(e.cost) != ku or any(len(r) != kv for r in e.cost):
-            raise ValueError(f"edge {e.u}->{e.v}: cost matrix is not {ku}x{kv}")
-        if any(math.isnan(x) or x == -math.inf for r in e.cost for x in r):
-            raise ValueError(f"edge {e.u}->{e.v}: NaN or -inf cost")
-
-
-def _merge_edges(p: IntraOpProblem, cost: Matrix) -> dict[tuple[int, int], Matrix]:
-    """Self edges go to the node cost diagonal; parallel edges are summed with u < v."""
-    pairs: dict[tuple[int, int], Matrix] = {}
-    for e in p.edges:
-        if e.u == e.v:
-            for a in range(len(cost[e.u])):
-                cost[e.u][a] += e.cost[a][a]
-            continue
-        m = [list(r) for r in e.cost] if e.u < e.v else [list(c) for c in zip(*e.cost, strict=True)]
-        key = (min(e.u, e.v), max(e.u, e.v))
-        if key in pairs:
-            acc = pairs[key]
-            for a, row in enumerate(m):
-                for b, x in enumerate(row):
-                    acc[a][b] += x
-        else:
-            pairs[key] = m
-    return pairs
-
-
-def _fold_fixed_edges(red: _Reduced) -> None:
-    """Fold edges with a fixed endpoint into the other endpoint until nothing changes."""
-    changed = True
-    while changed:
-        changed = False
-        for (u, v), m in list(red.pairs.items()):
-            if red.fixed(u):
-                tgt, vec = v, m[red.allowed[u][0]]
-            elif red.fixed(v):
-                b, tgt = red.allowed[v][0], u
-                vec = [row[b] for row in m]
-            else:
-                continue
-            del red.pairs[(u, v)]
-            for k in red.allowed[tgt]:
-                red.cost[tgt][k] += vec[k]
-            red.allowed[tgt] = [k for k in red.allowed[tgt] if math.isfinite(red.cost[tgt][k])]
-            if not red.allowed[tgt]:
-                raise ValueError(f"decision {tgt}: every choice is forbidden")
-            changed = True
-
-
-def _fold_separable(red: _Reduced) -> None:
-    """Fold edges with C[a][b] = r[a] + c[b] (over allowed choices) into node costs."""
-    for (u, v), m in list(red.pairs.items()):
-        au, av = red.allowed[u], red.allowed[v]
-        vals = [m[a][b] for a in au for b in av]
-        if not all(math.isfinite(x) for x in vals):
-            continue
-        a0, b0 = au[0], av[0]
-        tol = _SEP_TOL * max(1e-30, max(abs(x) for x in vals))
-        r = {a: m[a][b0] - m[a0][b0] for a in au}
-        if any(abs(m[a][b] - r[a] - m[a0][b]) > tol for a in au for b in av):
-            continue
-        del red.pairs[(u, v)]
-        for a in au:
-            red.cost[u][a] += r[a]
-        for b in av:
-            red.cost[v][b] += m[a0][b]
-
-
-def _reduce(p: IntraOpProblem) -> _Reduced:
-    _validate(p)
-    cost = [list(c) for c in p.node_cost]
-    pairs = _merge_edges(p, cost)
-    allowed = []
-    for i, c in enumerate(cost):
-        ks = [k for k, x in enumerate(c) if math.isfinite(x) and math.isfinite(p.node_memory[i][k])]
-        if not ks:
-            raise ValueError(f"decision {i}: every choice is forbidden")
-        allowed.append(ks)
-    red = _Reduced(cost, allowed, pairs)
-    _fold_fixed_edges(red)
-    _fold_separable(red)
-    return red
-
-
 @dataclass(slots=True)
 class _Model:
     model: mathopt.Model
     s: dict[int, dict[int, mathopt.Variable]]  # free decision -> choice -> variable
     scale: float = 1.0  # objective = const + scale * model objective
     const: float = 0.0  # kept out of the model so the solver's relative gap sees only the rest
+    e: dict[tuple[int, int], dict[tuple[int, int], mathopt.Variable]] = field(default_factory=dict)
+    z: dict[tuple[tuple[int, int], ...], mathopt.Variable] = field(default_factory=dict)
 
 
 def _add_choice_vars(mdl: _Model, red: _Reduced) -> None:
@@ -241,6 +127,7 @@ def _add_edge_vars(mdl: _Model, red: _Reduced) -> dict[mathopt.Variable, float]:
             for b in sv
             if math.isfinite(m[a][b])
         }
+        mdl.e[(u, v)] = e
         for (a, b), var in e.items():
             coef[var] = m[a][b]
         for a in su:
@@ -248,6 +135,32 @@ def _add_edge_vars(mdl: _Model, red: _Reduced) -> dict[mathopt.Variable, float]:
         for b in sv:
             add(mathopt.fast_sum(e[a, b] for a in su if (a, b) in e) == sv[b])
     return coef
+
+
+def _add_gate_vars(mdl: _Model, red: _Reduced) -> None:
+    """z >= sum of the literals - (count - 1): the product of binaries, at its bound."""
+    for lits in red.gates:
+        z = mdl.model.add_variable(lb=0.0, ub=1.0, name=f"z_{len(mdl.z)}")
+        terms = mathopt.fast_sum(mdl.s[d][k] for d, k in lits)
+        mdl.model.add_linear_constraint(z >= terms - (len(lits) - 1))
+        mdl.z[lits] = z
+
+
+def _gate_coef(mdl: _Model, red: _Reduced, which: int) -> dict[mathopt.Variable, float]:
+    return {mdl.z[lits]: cm[which] for lits, cm in red.gates.items() if cm[which]}
+
+
+def _edge_memory(mdl: _Model, red: _Reduced) -> tuple[float, dict[mathopt.Variable, float]]:
+    """Each edge's memory, shifted by its least entry (exactly one of its e is 1)."""
+    const, coef = 0.0, {}
+    for key, e in mdl.e.items():
+        m = red.pair_mem[key]
+        if not e:
+            continue
+        lo = min(m[a][b] for a, b in e)
+        const += lo
+        coef.update({var: m[a][b] - lo for (a, b), var in e.items() if m[a][b] != lo})
+    return const, coef
 
 
 def _masked(values: tuple[tuple[float, ...], ...] | Matrix, red: _Reduced) -> Matrix:
@@ -269,10 +182,24 @@ def _shifted(mdl: _Model, rows: Matrix) -> tuple[float, dict[mathopt.Variable, f
     return const, coef
 
 
-def _add_memory_constraint(mdl: _Model, red: _Reduced, memory: Matrix, limit: float) -> None:
-    rows = _masked(memory, red)
+def _memory_terms(mdl: _Model, red: _Reduced) -> tuple[float, dict, float]:
+    """(constant, coefficient per variable, worst case) of the memory of an assignment."""
+    rows = _masked(red.mem, red)
     const, coef = _shifted(mdl, rows)
+    pconst, pcoef = _edge_memory(mdl, red)
+    coef.update(pcoef)
+    for var, c in _gate_coef(mdl, red, 1).items():
+        coef[var] = coef.get(var, 0.0) + c
     worst = math.fsum(max(x for x in row if math.isfinite(x)) for row in rows)
+    worst += math.fsum(
+        max(m[a][b] for a, b in mdl.e[k]) for k, m in red.pair_mem.items() if mdl.e[k]
+    )
+    worst += math.fsum(cm[1] for cm in red.gates.values())
+    return const + pconst, coef, worst
+
+
+def _add_memory_constraint(mdl: _Model, red: _Reduced, limit: float) -> None:
+    const, coef, worst = _memory_terms(mdl, red)
     if not coef or worst <= limit:
         return  # even the largest choices fit: the constraint cannot bind
     scale = max(coef.values())
@@ -280,9 +207,7 @@ def _add_memory_constraint(mdl: _Model, red: _Reduced, memory: Matrix, limit: fl
     mdl.model.add_linear_constraint(expr <= (limit - const) / scale, name="memory")
 
 
-def _set_objective(mdl: _Model, edge_coef: dict[mathopt.Variable, float], rows: Matrix) -> None:
-    const, coef = _shifted(mdl, rows)
-    coef.update(edge_coef)
+def _set_objective(mdl: _Model, coef: dict[mathopt.Variable, float], const: float) -> None:
     mdl.const = const
     mdl.scale = max((abs(c) for c in coef.values() if c), default=1.0)
     mdl.model.objective.is_maximize = False
@@ -295,11 +220,17 @@ def _build(red: _Reduced, p: IntraOpProblem, *, minimize_memory: bool = False) -
     mdl = _Model(mathopt.Model(name="intra_op"), {})
     _add_choice_vars(mdl, red)
     edge_coef = _add_edge_vars(mdl, red)
+    _add_gate_vars(mdl, red)
     if minimize_memory:  # diagnosis model: least memory, ignoring the limit
-        _set_objective(mdl, dict.fromkeys(edge_coef, 0.0), _masked(p.node_memory, red))
+        const, coef, _ = _memory_terms(mdl, red)
+        _set_objective(mdl, coef, const)
         return mdl
-    _add_memory_constraint(mdl, red, p.node_memory, p.memory_limit)
-    _set_objective(mdl, edge_coef, _masked(red.cost, red))
+    _add_memory_constraint(mdl, red, p.memory_limit)
+    const, coef = _shifted(mdl, _masked(red.cost, red))
+    coef.update(edge_coef)
+    for var, c in _gate_coef(mdl, red, 0).items():
+        coef[var] = coef.get(var, 0.0) + c
+    _set_objective(mdl, coef, const)
     return mdl
 
 
@@ -361,15 +292,15 @@ def _gap(mdl: _Model, result: mathopt.SolveResult, objective: float) -> float:
 
 def _diagnose(red: _Reduced, p: IntraOpProblem, backend: str) -> Exception:
     """The model is infeasible: blame memory if some assignment exists without the limit."""
-    if red.min_memory(p.node_memory) > p.memory_limit:
-        return MemoryInfeasible(red.min_memory(p.node_memory), p.memory_limit)
+    if red.min_memory() > p.memory_limit:
+        return MemoryInfeasible(red.min_memory(), p.memory_limit)
     mdl = _build(red, p, minimize_memory=True)
     result = _solve_model(mdl, backend, p.time_limit_s)
     if not result.has_primal_feasible_solution():
         return ValueError("no assignment satisfies the forbidden (inf) choices and pairs")
     _, mem = evaluate(p, _choices(mdl, red, result))
     if result.termination.reason != _TR.OPTIMAL:  # report a lower bound
-        mem = max(red.min_memory(p.node_memory), _bound(mdl, result))
+        mem = max(red.min_memory(), _bound(mdl, result))
     return MemoryInfeasible(mem, p.memory_limit)
 
 
@@ -381,7 +312,7 @@ def solve_intra_op(problem: IntraOpProblem, *, backend: str = "auto") -> IntraOp
     """
     t0 = time.perf_counter()
     red = _reduce(problem)
-    min_mem = red.min_memory(problem.node_memory)
+    min_mem = red.min_memory()
     if min_mem > problem.memory_limit:
         raise MemoryInfeasible(min_mem, problem.memory_limit)
     mdl = _build(red, problem)

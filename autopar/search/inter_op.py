@@ -14,11 +14,16 @@ ranges (`balanced_cuts`); the timeline simulator (`search/schedules.py`) prices 
 schedule with per-stage forward (t/3) and backward (2t/3) times, the activation sends
 between ranks, and gives each rank's peak in-flight microbatches, which multiplies its
 stages' activation memory. A schedule whose ranks do not fit in device memory is dropped;
-the fastest remaining one wins.
+the fastest remaining one wins. When none fits, the ILP is solved again (twice at most)
+under a budget shrunk by limit / least peak, so that it turns to its memory levers
+(recompute, reshard after forward) or shards more. A rank's memory counts the weights its
+layers keep gathered until backward (`IntraOpResult.held_weights`); the one-layer working
+sets of recompute and regathering are in the ILP's memory, not in a rank's peak.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -29,8 +34,9 @@ from autopar.capture.analysis import batch_dependent, layer_order
 from autopar.capture.export import layer_of
 from autopar.cluster import Cluster
 from autopar.cost_models.comm import send_recv_time
-from autopar.plan import SCHEDULES, PipelinePlan, Plan, stage_ranks
+from autopar.plan import SCHEDULES, MemoryPlan, PipelinePlan, Plan, stage_ranks
 from autopar.search.costs import CostWeights
+from autopar.search.ilp import MemoryInfeasible
 from autopar.search.intra_op import IntraOpResult, solve_intra
 from autopar.search.pins import SearchOptions
 from autopar.search.schedules import Timeline, simulate
@@ -112,7 +118,8 @@ def layer_costs(captured: Captured, result: IntraOpResult) -> LayerCosts:
         time, sync = result.node_times(n)
         mem = result.node_memory(n)
         state = n.op == "placeholder" or n not in batch
-        cost = PartCost(time, sync, mem if state else 0.0, 0.0 if state else mem)
+        held = result.held_weights(n)  # gathered weights kept until backward: once per stage
+        cost = PartCost(time, sync, (mem if state else 0.0) + held, 0.0 if state else mem)
         layer = layer_of(n)
         if layer is not None:
             seen_layer = True
@@ -247,27 +254,48 @@ def solve_pipeline(
     pp = cluster.axis_size("pp")
     limit = options.memory_limit or cluster.device.memory_bytes * 0.9
     weights = pipeline_weights(pp, pipeline.microbatches, layers or {})
-    result = solve_intra(
-        captured, stage_cluster(cluster), stage_mesh, options, weights, memory_limit=limit * pp
-    )
-    lc = layer_costs(captured, result).repeated(total_layers or 0)
     candidates = [pipeline.schedule] if pipeline.schedule else list(SCHEDULES)
+    ilp_limit = limit * pp
+    result = solve_intra(captured, stage_cluster(cluster), stage_mesh, options, weights, ilp_limit)
+    for attempt in range(_RETRIES + 1):
+        lc = layer_costs(captured, result).repeated(total_layers or 0)
+        priced, failures, least = _price_schedules(lc, candidates, pp, cluster, pipeline, limit)
+        if priced or attempt == _RETRIES or not math.isfinite(least):
+            break
+        # the ranks need `least`: ask the ILP for proportionally less (recompute, reshard,
+        # more sharding), while it can
+        ilp_limit = min(ilp_limit, result.memory) * limit / least * 0.98
+        try:
+            result = solve_intra(
+                captured, stage_cluster(cluster), stage_mesh, options, weights, ilp_limit
+            )
+        except MemoryInfeasible:
+            break
+    if not priced:
+        raise ValueError("no pipeline schedule fits: " + "; ".join(failures))
+    best = min(priced, key=lambda p: p.step_time)
+    return result, best, {p.schedule: p.step_time for p in priced}
+
+
+_RETRIES = 2  # ILP re-solves under a tighter budget when no schedule fits
+
+
+def _price_schedules(lc, candidates, pp, cluster, pipeline, limit):
+    """(schedules that fit, why the others do not, the least peak of those priced)."""
     priced: list[PricedSchedule] = []
-    failures = []
+    failures, least = [], math.inf
     for sched in candidates:
         try:
             p = price_schedule(lc, sched, pp, pipeline.microbatches, cluster, pipeline.stage_cuts)
         except ValueError as exc:
             failures.append(f"{sched}: {exc}")
             continue
+        least = min(least, p.peak_memory)
         if p.peak_memory <= limit:
             priced.append(p)
         else:
             failures.append(f"{sched}: needs {p.peak_memory / 2**30:.1f} GiB per device")
-    if not priced:
-        raise ValueError("no pipeline schedule fits: " + "; ".join(failures))
-    best = min(priced, key=lambda p: p.step_time)
-    return result, best, {p.schedule: p.step_time for p in priced}
+    return priced, failures, least
 
 
 def search_pipeline(
@@ -288,6 +316,9 @@ def search_pipeline(
         best.peak_memory,
         {**result.info, "schedules": schedules, "bubble": best.timeline.bubble},
         priced=result.priced,
+        memory=MemoryPlan(
+            recompute=result.memory_plan[0], reshard_after_forward=result.memory_plan[1]
+        ),
     )
     pp = cluster.axis_size("pp")
     return replace(

@@ -21,6 +21,9 @@ Building the ILP (`autopar.search.ilp` holds the formulation itself):
    gradient: that is where DP's all-reduce and FSDP's reduce-scatter are priced);
    memory = parameters + gradients + optimizer state of local shards, plus saved
    activations.
+4. `add_levers` (`autopar.search.levers`) — per shared layer, a recompute decision
+   (none/selective/full) and a reshard-after-forward decision, priced jointly with the
+   sharding; pinned by `activation_checkpointing=` / `reshard_after_forward=`.
 """
 
 from __future__ import annotations
@@ -39,9 +42,16 @@ from autopar.capture.analysis import batch_dependent
 from autopar.capture.export import layer_of
 from autopar.cluster import Cluster
 from autopar.passes.strategies import NodeStrategy, enumerate_strategies
-from autopar.plan import Plan
+from autopar.plan import MemoryPlan, Plan
 from autopar.search.costs import CostContext, CostWeights
 from autopar.search.ilp import Edge, IntraOpProblem, MemoryInfeasible, solve_intra_op
+from autopar.search.levers import (
+    WEIGHT_NOT_SAVED,
+    Levers,
+    add_levers,
+    gathered_bytes,
+    layer_summary,
+)
 from autopar.search.pins import SearchOptions, apply_pins
 from autopar.search.to_plan import assemble_plan
 
@@ -189,27 +199,65 @@ class IntraOpResult:
     memory: float
     info: dict
     priced: frozenset[fx.Node]  # decision heads: every tensor operand is an ILP edge
+    levers: Levers | None = None
+    recompute: dict[str, str] = field(default_factory=dict)  # layer -> recompute policy
+    reshard: dict[str, bool] = field(default_factory=dict)  # layer -> reshard after forward
+    memory_plan: tuple[tuple, tuple] = ((), ())  # (MemoryPlan.recompute, reshard_after_forward)
+
+    def recomputed(self, n: fx.Node) -> bool:
+        """Whether `n`'s output is recomputed in backward under its layer's policy."""
+        return self.levers is not None and self.levers.is_recomputed(n, self.recompute)
+
+    def regathers(self, n: fx.Node) -> bool:
+        """Whether the weights `n` gathers are freed after forward and gathered again."""
+        layer = layer_of(n)
+        return layer is not None and (
+            self.reshard.get(layer, False) or self.recompute.get(layer) == "full"
+        )
 
     def node_time(self, n: fx.Node) -> float:
         """Compute plus the resharding of its inputs (forward and backward), seconds."""
         return sum(self.node_times(n))
 
     def node_times(self, n: fx.Node) -> tuple[float, float]:
-        """(per microbatch: compute and activation resharding, forward and backward;
-        per step: the reduction of parameter gradients), seconds, unweighted."""
+        """(per microbatch: compute and activation resharding, forward and backward, and
+        what the levers run again; per step: the reduction of parameter gradients), seconds,
+        unweighted (`autopar.search.levers` prices the same terms in the ILP)."""
         s = self.chosen[n]
         total, sync = self.ctx.node_cost(n, s), 0.0
+        again = self.recomputed(n)
+        if again:
+            total += self.ctx.forward_time(n, s)
+        full = again and self.recompute.get(layer_of(n)) == "full"
         for pos, op in self.ctx.operands(n):
             src = self.ctx.output_spec(op, self.chosen[op.producer])
             fwd, bwd = self.ctx.edge_parts(op, src, n, s, pos)
             if self.ctx.is_weight(op.producer):
                 total, sync = total + fwd, sync + bwd
+                if self._gathered(n, op, fwd) and self.regathers(n):
+                    total += fwd
             else:
-                total += fwd + bwd
+                total += fwd + bwd + (fwd if full else 0.0)
         return total, sync
 
+    def _gathered(self, n: fx.Node, op, fwd: float) -> bool:
+        return 0 < fwd < math.inf and n.target not in WEIGHT_NOT_SAVED and op.tensor is not None
+
     def node_memory(self, n: fx.Node) -> float:
-        return self.ctx.node_memory(n, self.chosen[n])
+        """Bytes `n` holds (0 for an output recomputed in backward), unweighted."""
+        return 0.0 if self.recomputed(n) else self.ctx.node_memory(n, self.chosen[n])
+
+    def held_weights(self, n: fx.Node) -> float:
+        """Bytes of the weight copies gathered for `n` and kept until backward."""
+        if self.regathers(n):
+            return 0.0
+        s, total = self.chosen[n], 0.0
+        for pos, op in self.ctx.operands(n):
+            if self.ctx.is_weight(op.producer):
+                src = self.ctx.output_spec(op, self.chosen[op.producer])
+                if self._gathered(n, op, self.ctx.edge_parts(op, src, n, s, pos)[0]):
+                    total += gathered_bytes(op, s, pos, self.ctx)
+        return total
 
 
 def solve_intra(
@@ -232,11 +280,25 @@ def solve_intra(
         weights=weights,
         shard_optimizer=options.shard_optimizer,
         batch_dependent=batch_dependent(captured),
+        shard_gradients=options.shard_gradients,
+        mixed_precision=options.mixed_precision,
+        reduce_itemsize=options.reduce_itemsize,
     )
     dec = build_decisions(captured.gm, strats, ctx)
     rep = share_layers(dec, strats) if options.share_layers else list(range(len(dec.items)))
     limit = memory_limit or options.memory_limit or cluster.device.memory_bytes * 0.9
     problem, var_of = price(dec, rep, strats, ctx, limit, options.time_limit_s)
+    index = {r: var_of[r] for r in set(rep)}
+    problem, levers = add_levers(
+        dec,
+        rep,
+        index,
+        strats,
+        ctx,
+        problem,
+        recompute=options.activation_checkpointing,
+        reshard=options.reshard_after_forward,
+    )
     try:
         solution = solve_intra_op(problem)
     except MemoryInfeasible as exc:
@@ -255,7 +317,22 @@ def solve_intra(
         **({"shard_optimizer": True} if options.shard_optimizer else {}),
     }
     priced = frozenset(item.members[0][0] for item in dec.items)
-    return IntraOpResult(chosen, ctx, solution.objective, solution.memory, info, priced)
+    recompute, raf, policies = layer_summary(levers, solution.choices, chosen, priced, ctx)
+    reshard = levers.reshards(solution.choices)
+    info["recompute"] = dict(recompute)
+    info["reshard_after_forward"] = list(raf)
+    return IntraOpResult(
+        chosen,
+        ctx,
+        solution.objective,
+        solution.memory,
+        info,
+        priced,
+        levers,
+        policies,
+        reshard,
+        (recompute, raf),
+    )
 
 
 def search_plan(
@@ -272,6 +349,9 @@ def search_plan(
         result.memory,
         result.info,
         priced=result.priced,
+        memory=MemoryPlan(
+            recompute=result.memory_plan[0], reshard_after_forward=result.memory_plan[1]
+        ),
     )
 
 

@@ -45,9 +45,16 @@ class SearchOptions:
     time_limit_s: float = 30.0
     share_layers: bool = True
     optimizer_states: int = 2
-    # price ZeRO-1 (optimizer state split over replicas); planning only: the runtime's
-    # optimizer keeps full state, so compile refuses such plans
+    # price ZeRO-1 / ZeRO-2 and the mixed-precision policy as the runtime holds them
+    # (`cost_models.memory.param_state_breakdown`)
     shard_optimizer: bool = False
+    shard_gradients: bool = False
+    mixed_precision: bool = False
+    # bytes per element of gradients reduced at a parameter (the policy's reduce_dtype)
+    reduce_itemsize: int | None = None
+    # memory levers searched per layer ("auto") or pinned (`autopar.search.levers`)
+    activation_checkpointing: str = "auto"
+    reshard_after_forward: bool | str = "auto"
 
     @classmethod
     def from_options(cls, options: PlanOptions) -> SearchOptions:
@@ -58,6 +65,13 @@ class SearchOptions:
             memory_limit=options.memory_limit,
             time_limit_s=options.time_limit_s,
             shard_optimizer=options.shard_optimizer,
+            shard_gradients=options.shard_gradients,
+            mixed_precision=options.mixed_precision is not None,
+            reduce_itemsize=getattr(torch, options.reduce_dtype).itemsize
+            if options.mixed_precision
+            else None,
+            activation_checkpointing=options.activation_checkpointing,
+            reshard_after_forward=options.reshard_after_forward,
         )
 
     def roles(self, ndim: int) -> tuple[str, ...]:

@@ -26,7 +26,7 @@ from autopar.capture.export import layer_of
 from autopar.capture.operands import operands, tensor_operands
 from autopar.cluster import Cluster
 from autopar.passes.strategies import NodeStrategy
-from autopar.plan import NodePlan, Plan, TensorPlan, spec_str
+from autopar.plan import MemoryPlan, NodePlan, Plan, TensorPlan, spec_str
 from autopar.search.costs import same_spec
 
 
@@ -40,9 +40,11 @@ def assemble_plan(
     solver: dict,
     *,
     priced: Collection[fx.Node],
+    memory: MemoryPlan | None = None,
 ) -> Plan:
     """The plan of `chosen`; `priced`: the nodes whose input redistributions the objective
-    includes (the ILP's decision heads, `IntraOpResult.priced`)."""
+    includes (the ILP's decision heads, `IntraOpResult.priced`); `memory`: the levers the
+    search chose (recompute, reshard after forward)."""
     nodes = []
     tensors = []
     names = {**captured.params, **captured.buffers}
@@ -74,6 +76,7 @@ def assemble_plan(
         predicted_step_time=float(step_time),
         predicted_peak_memory=float(peak_memory),
         solver=solver,
+        memory=memory or MemoryPlan(),
     )
 
 

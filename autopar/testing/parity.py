@@ -16,6 +16,7 @@ Used by the multi-process tests (parity, pipelining, fusion, inductor).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import json
 import os
@@ -30,7 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.cli.sources import load_model
-from autopar.plan import Plan
+from autopar.plan import MemoryPlan, Plan
 from autopar.testing.reference import LR, train_single_device
 
 
@@ -47,13 +48,26 @@ class ParityCase:
     schedule: str | None = None  # pipelining: mesh axis "pp" first
     microbatches: int | None = None
     fusion: str = "none"
+    # memory levers applied on top of the searched plan (recompute, reshard_after_forward)
+    memory: MemoryPlan | None = None
+    # compile options: mixed-precision policy (the reference applies the same casts), ZeRO
+    mixed_precision: str | None = None
+    shard_optimizer: bool = False
+    shard_gradients: bool = False
 
     @property
     def label(self) -> str:
         strat = self.strategy if isinstance(self.strategy, str) else "x".join(self.strategy)
         label = f"{self.sample}-{'x'.join(map(str, self.mesh))}-{'x'.join(self.axis_names)}-{strat}"
         label += f"-{self.schedule}" if self.schedule else ""
-        return label + (f"-fused-{self.fusion}" if self.fusion != "none" else "")
+        label += f"-fused-{self.fusion}" if self.fusion != "none" else ""
+        if self.memory is not None:
+            policies = sorted({p for _, p in self.memory.recompute})
+            label += "-ac-" + "+".join(policies) if policies else ""
+            label += "-reshard" if self.memory.reshard_after_forward else ""
+        label += f"-{self.mixed_precision}" if self.mixed_precision else ""
+        zero = 2 if self.shard_gradients else 1 if self.shard_optimizer else 0
+        return label + (f"-zero{zero}" if zero else "")
 
 
 @dataclass
@@ -70,6 +84,14 @@ class ParityResult:
     param_specs: dict[str, str] = field(default_factory=dict)
     fusion: list[str] = field(default_factory=list)  # fused kernels, else the fusion mode
     step_program: str = ""  # type of what each step ran (ParallelModel only)
+    recomputed: int = 0  # nodes the step program(s) recompute in backward
+    # mixed precision: the same run against the fp32 reference (no casts)
+    fp32_loss_rel_err: float = 0.0
+    fp32_param_err: float = 0.0
+    # bytes this rank holds for its parameters before the last optimizer step, by category,
+    # and what `cost_models.memory.param_state_breakdown` prices (ParallelModel only)
+    held: dict[str, int] = field(default_factory=dict)
+    priced: dict[str, float] = field(default_factory=dict)
     error: str | None = None
 
 
@@ -121,6 +143,7 @@ def _worker(rank: int, world: int, port: int, cases: list[dict], out_dir: str) -
                     "strategy": raw["strategy"]
                     if isinstance(raw["strategy"], str)
                     else tuple(raw["strategy"]),
+                    "memory": MemoryPlan.from_dict(raw["memory"]) if raw.get("memory") else None,
                 }
             )
             try:
@@ -156,6 +179,70 @@ def fused_kernels(plan: Plan) -> list[str]:
     return [r.kernel for r in plan.fused_regions]
 
 
+def recomputed_nodes(pm) -> int:
+    """How many nodes the step program (or this rank's stage programs, after a step)
+    re-emits in backward (`passes.recompute`)."""
+    from autopar.passes.recompute import recomputed_nodes as count
+
+    if hasattr(pm, "program"):
+        return count(pm.program.gm)
+    return sum(sum(m.recomputed) for m in getattr(pm, "modules", {}).values())
+
+
+def held_bytes(pm) -> dict[str, int]:
+    """Storage bytes of what `pm.held_tensors()` lists, per category (shared storage once)."""
+    out = {}
+    for category, tensors in pm.held_tensors().items():
+        seen: dict[int, int] = {}
+        for t in tensors:
+            if t is not None:
+                storage = t.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+        out[category] = sum(seen.values())
+    return out
+
+
+def priced_bytes(plan: Plan, mesh_shape: tuple[int, ...]) -> dict[str, float]:
+    """The memory model's parameter and buffer state for `plan` on this rank (AdamW), per
+    category, without the mixed-precision working copy, which lives inside the step only."""
+    from autopar.cost_models.memory import local_numel, param_state_breakdown
+    from autopar.plan import parse_spec
+
+    m = plan.memory
+    out: dict[str, float] = {}
+    for t in plan.tensors:
+        if t.kind == "input":
+            continue
+        dtype, spec = getattr(torch, t.dtype), parse_spec(t.spec)
+        parts = param_state_breakdown(
+            t.shape,
+            dtype,
+            spec,
+            mesh_shape,
+            trained=t.kind == "param",
+            mixed_precision=m.param_dtype is not None,
+            shard_optimizer=m.shard_optimizer,
+            shard_gradients=m.shard_gradients,
+        )
+        if t.kind == "param" and m.param_dtype is not None and not m.shard_optimizer:
+            parts["parameters"] -= local_numel(t.shape, spec, mesh_shape) * dtype.itemsize
+        for k, v in parts.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def held_mismatches(res: ParityResult) -> list[str]:
+    """Categories where the held bytes differ from the memory model's (AdamW's step
+    counters, one small tensor per parameter, aside)."""
+    out = []
+    for category in ("parameters", "gradients", "optimizer_state"):
+        held, priced = res.held.get(category, 0), res.priced.get(category, 0.0)
+        slack = 64 * 8 if category == "optimizer_state" else 0
+        if not priced <= held <= priced + slack:
+            out.append(f"{res.label}: {category} holds {held} B, priced {priced:.0f} B")
+    return out
+
+
 def run_case(case: ParityCase) -> ParityResult:
     import autopar
     from autopar.plan import parse_spec
@@ -163,7 +250,7 @@ def run_case(case: ParityCase) -> ParityResult:
     from autopar.views import axis_roles
 
     model, batch = load_model(case.sample, case.config, case.batch_size, seed=case.seed)
-    ref = train_single_device(model, batch, case.steps)
+    ref = train_single_device(model, batch, case.steps, mixed_precision=case.mixed_precision)
     cluster = autopar.Cluster.local(mesh=case.mesh, axis_names=case.axis_names)
     pm = autopar.compile(
         model,
@@ -174,7 +261,24 @@ def run_case(case: ParityCase) -> ParityResult:
         schedule=case.schedule,
         microbatches=case.microbatches,
         fusion=case.fusion,
+        mixed_precision=case.mixed_precision,
+        shard_optimizer=case.shard_optimizer,
+        shard_gradients=case.shard_gradients,
     )
+    if case.memory is not None:  # the searched plan with the case's recompute and reshard
+        memory = dataclasses.replace(
+            pm.plan.memory,
+            recompute=case.memory.recompute,
+            reshard_after_forward=case.memory.reshard_after_forward,
+        )
+        plan = dataclasses.replace(pm.plan, memory=memory)
+        pm = autopar.compile(
+            model,
+            batch,
+            cluster=cluster,
+            plan=plan,
+            optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
+        )
     res = ParityResult(
         case.label,
         ref_losses=ref.losses,
@@ -188,13 +292,27 @@ def run_case(case: ParityCase) -> ParityResult:
         loss = float(pm.forward_backward(*batch))
         res.losses.append(loss)
         for fqn, grad in pm.local_grads().items():
-            want = local_chunk(ref.grads[step][fqn], specs[fqn], pm.mesh)
+            full_ref = ref.grads[step][fqn]
+            if hasattr(pm, "expected_grad"):  # ZeRO: the flat shard this rank holds
+                want = pm.expected_grad(fqn, full_ref)
+            else:
+                want = local_chunk(full_ref, specs[fqn], pm.mesh)
+            if not want.isfinite().all():  # fp16: a step the loss scaler skips
+                continue
             err = (grad - want).abs().max().item()
             res.grad_abs_err = max(res.grad_abs_err, err)
             res.grad_err = max(res.grad_err, err / (want.abs().max().item() + 1e-12))
+        if step == case.steps - 1 and hasattr(pm, "state"):
+            res.held, res.priced = held_bytes(pm), priced_bytes(pm.plan, tuple(pm.mesh.shape))
         pm.optimizer_step()
+    res.recomputed = recomputed_nodes(pm)
     res.loss_rel_err = max(abs(a - b) / abs(b) for a, b in zip(res.losses, ref.losses, strict=True))
     full = pm.full_state_dict()
     res.param_err = max((full[k] - v).abs().max().item() for k, v in ref.state.items())
     res.ddp_param_err = ddp_param_error(model, batch, case.steps, ref.state)
+    if case.mixed_precision:
+        ref32 = train_single_device(model, batch, case.steps, grads=False)
+        pairs = zip(res.losses, ref32.losses, strict=True)
+        res.fp32_loss_rel_err = max(abs(a - b) / abs(b) for a, b in pairs)
+        res.fp32_param_err = max((full[k] - v).abs().max().item() for k, v in ref32.state.items())
     return res

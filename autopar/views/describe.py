@@ -120,6 +120,7 @@ def summary(plan: Plan) -> str:
         + ", ".join(f"{spec}×{n}" for spec, n in Counter(d["parameters"].values()).most_common()),
         "inputs: " + ", ".join(f"{k}={v}" for k, v in d["inputs"].items()),
     ]
+    lines.append("memory levers: " + memory_levers(plan))
     if plan.pipeline is not None:
         lines += _pipeline_lines(plan, d)
     if plan.solver:
@@ -130,6 +131,24 @@ def summary(plan: Plan) -> str:
             f"{s.get('edges')} edges; search {s.get('search_time_s', 0):.2f}s)"
         )
     return "\n".join(lines)
+
+
+def memory_levers(plan: Plan) -> str:
+    """One line: recompute per policy, FSDP reshard, precision policy, ZeRO stage."""
+    m = plan.memory
+    parts = []
+    for policy in ("selective", "full"):
+        layers = [layer for layer, p in m.recompute if p == policy]
+        if layers:
+            parts.append(f"{policy} recompute in {len(layers)} layer(s)")
+    if m.reshard_after_forward:
+        parts.append(f"reshard after forward in {len(m.reshard_after_forward)} layer(s)")
+    if m.param_dtype:
+        scaling = ", loss scaling" if m.loss_scaling else ""
+        parts.append(f"compute {m.param_dtype}, reduce {m.reduce_dtype}{scaling}")
+    if m.shard_optimizer:
+        parts.append("ZeRO-2" if m.shard_gradients else "ZeRO-1")
+    return "; ".join(parts) or "none"
 
 
 def _pipeline_lines(plan: Plan, d: dict) -> list[str]:

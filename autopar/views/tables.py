@@ -15,7 +15,7 @@ from rich.table import Table
 
 from autopar.cluster import Cluster
 from autopar.plan import Plan
-from autopar.views.describe import axis_roles, describe, timeline_lines
+from autopar.views.describe import axis_roles, describe, memory_levers, timeline_lines
 from autopar.views.layers import (
     LayerGroup,
     Produced,
@@ -61,6 +61,7 @@ def header_table(plan: Plan) -> Table:
         "peak memory": f"{fmt_bytes(peak)} per device (predicted, "
         f"{100 * peak / cluster.device.memory_bytes:.1f}% of "
         f"{cluster.device.memory_bytes / _GiB:.0f} GiB)",
+        "memory levers": memory_levers(plan),
         "parameters": f"{len(params)} tensors, {numel / 1e6:.2f} M elements; "
         + ", ".join(f"{s}×{k}" for s, k in Counter(t.spec for t in params).most_common()),
         "inputs": ", ".join(f"{t.fqn}={t.spec}" for t in plan.tensors if t.kind == "input"),

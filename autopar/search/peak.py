@@ -1,0 +1,176 @@
+"""Predicted peak memory of a plan: what a rank really holds at the peak of a step.
+
+`predict_peak(captured, plan, optimizer_states=2) -> PeakMemory`,
+`with_predicted_memory(captured, plan) -> Plan` (sets `predicted_peak_memory` and
+`predicted_memory` at plan assembly, `planning.PlanJob.search`).
+
+The ILP keeps a linear memory term for feasibility; this is the liveness simulation of the
+step as the runtime runs it (`search.liveness`), in the categories `runtime.memory_stats`
+measures. Without a pipeline every rank holds the same (even shards), so one simulation
+of the whole graph on the stage mesh is every rank's prediction.
+
+Pipelines (`Plan.pipeline`): the nodes are split as `passes.stages` splits them (activation
+nodes by layer, weight-only nodes copied into every stage that reads them); each stage is
+simulated for one microbatch (the captured graph is one microbatch), receiving the values
+of earlier stages and sending (and getting gradients back for) what later stages read.
+Pipeline rank r, holding stages S_r, with k_r microbatches in flight at its peak
+(`search.schedules.simulate(...).in_flight`):
+
+    peak_r = sum over S_r of ( simulated peak
+                               + (k_r - 1) * kept   (saved activations, stage outputs and
+                                                     received inputs of the other
+                                                     microbatches in flight)
+                               + gradients not yet made at that peak (M > 1: earlier
+                                 microbatches made every parameter gradient) )
+             + the batch: every rank takes the global batch and keeps its local shard of
+               all M microbatches (the simulation counted one microbatch's)
+
+The plan's figure is the busiest pipeline rank; every rank's is in
+`plan.solver["predicted_memory_per_pp_rank"]`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch.fx as fx
+
+from autopar.capture import Captured
+from autopar.capture.analysis import batch_dependent, layer_order
+from autopar.capture.export import layer_of
+from autopar.cost_models.memory import local_shape
+from autopar.plan import Plan, parse_spec, stage_ranks
+from autopar.search.liveness import (
+    CATEGORIES,
+    NodeProbe,
+    PeakMemory,
+    probe_graph,
+    simulate_step,
+)
+from autopar.search.schedules import simulate
+
+__all__ = ["PeakMemory", "predict_peak", "predict_peak_per_rank", "probe_graph"]
+
+
+def predict_peak(
+    captured: Captured, plan: Plan, *, optimizer_states: int = 2, foreach: bool | None = None
+) -> PeakMemory:
+    """The predicted peak of one training step on the busiest rank (module docstring).
+    `foreach`: the optimizer's multi-tensor implementation (torch's default on GPUs; None:
+    a non-gloo cluster)."""
+    ranks = predict_peak_per_rank(
+        captured, plan, optimizer_states=optimizer_states, foreach=foreach
+    )
+    return max(ranks, key=lambda p: p.peak)
+
+
+def predict_peak_per_rank(
+    captured: Captured, plan: Plan, *, optimizer_states: int = 2, foreach: bool | None = None
+) -> list[PeakMemory]:
+    """One prediction per pipeline rank (one in all without a pipeline)."""
+    if foreach is None:
+        foreach = plan.cluster.get("backend", "nccl") != "gloo"
+    probes = probe_graph(captured)
+    if plan.pipeline is None:
+        nodes = [n for n in captured.gm.graph.nodes if n.name in probes]
+        return [simulate_step(captured, plan, nodes, probes, optimizer_states, foreach)]
+    stages = stage_nodes(captured, list(plan.stage_cuts), probes)
+    pipe = plan.pipeline
+    owners = stage_ranks(pipe.schedule, pipe.pp)
+    n = len(stages)
+    timeline = simulate(pipe.schedule, [1.0] * n, [2.0] * n, pipe.microbatches, pipe.pp)
+    batch = _batch_bytes(captured, plan)
+    out = []
+    for rank in range(pipe.pp):
+        mine = [s for s in range(n) if owners[s] == rank]
+        sims = []
+        for s in mine:
+            later = frozenset(x for t in range(s + 1, n) for x in stages[t])
+            sims.append(
+                simulate_step(captured, plan, stages[s], probes, optimizer_states, foreach, later)
+            )
+        out.append(_combine(sims, timeline.in_flight[rank], pipe.microbatches, batch))
+    return out
+
+
+def _combine(sims: list[PeakMemory], in_flight: int, microbatches: int, batch: float) -> PeakMemory:
+    """A pipeline rank's peak from its stages' one-microbatch simulations: the larger of
+    the first backward (k - 1 other microbatches in flight, no gradient accumulated yet)
+    and the last (nothing else in flight, every earlier microbatch's gradients held)."""
+    first = dict.fromkeys(CATEGORIES, 0.0)
+    last = dict.fromkeys(CATEGORIES, 0.0)
+    for p in sims:
+        for c, b in p.breakdown.items():
+            first[c] += b
+            last[c] += b
+        first["activations"] += (max(in_flight, 1) - 1) * p.kept
+        if microbatches > 1:
+            last["gradients"] += max(p.gradients - p.breakdown["gradients"], 0.0)
+    # the batch: simulated as one microbatch's shard (and global) on the stages reading it
+    for total in (first, last):
+        total["activations"] += batch - sum(p.batch for p in sims)
+    total = max(first, last, key=lambda t: sum(t.values()))
+    return PeakMemory(sum(total.values()), total, sims[0].phase if sims else "forward")
+
+
+def stage_nodes(
+    captured: Captured, cuts: list[int], probes: dict[str, NodeProbe]
+) -> list[list[fx.Node]]:
+    """Each stage's nodes in graph order, as `passes.stages.split_stages` cuts them."""
+    layers = layer_order(captured)
+    first = {layer: i for i, layer in enumerate(layers)}
+    stage_of_layer = [sum(1 for c in cuts[1:] if c <= i) for i in range(len(layers))]
+    batch = batch_dependent(captured)
+    stage_of: dict[fx.Node, int] = {}
+    current = 0
+    for n in captured.gm.graph.nodes:
+        if n.op != "call_function" or n not in batch:
+            continue
+        layer = layer_of(n)
+        if layer is not None:
+            current = stage_of_layer[first[layer]]
+        stage_of[n] = current
+    readers: dict[fx.Node, set[int]] = {}
+    for n in reversed(captured.gm.graph.nodes):  # weight-only nodes: every reading stage
+        if n.op == "call_function" and n not in batch:
+            readers[n] = {
+                s for u in n.users for s in ([stage_of[u]] if u in stage_of else readers.get(u, ()))
+            }
+    out: list[list[fx.Node]] = [[] for _ in cuts]
+    for n in captured.gm.graph.nodes:
+        if n.name not in probes:
+            continue
+        for s in [stage_of[n]] if n in stage_of else sorted(readers.get(n, ())):
+            out[s].append(n)
+    return out
+
+
+def _batch_bytes(captured: Captured, plan: Plan) -> float:
+    """The batch on every pipeline rank: the global batch and the local shard of every
+    microbatch (`PipelineModel` cuts, shards and concatenates them before the schedule)."""
+    total = 0.0
+    for n in captured.placeholders():
+        if n.name in captured.user_inputs:
+            val = n.meta["val"]
+            spec = parse_spec(plan.tensor(n.name).spec)
+            local = math.prod(local_shape(val.shape, spec, plan.stage_mesh_shape))
+            total += plan.microbatches * (val.numel() + local) * val.dtype.itemsize
+    return total
+
+
+def with_predicted_memory(captured: Captured, plan: Plan, optimizer_states: int = 2) -> Plan:
+    """`plan` with `predicted_peak_memory` and `predicted_memory` from the simulation (the
+    ILP's linear memory term stays in `plan.solver` as `ilp_memory`)."""
+    ranks = predict_peak_per_rank(captured, plan, optimizer_states=optimizer_states)
+    peak = max(ranks, key=lambda p: p.peak)
+    info = {"ilp_memory": plan.predicted_peak_memory, "peak_phase": peak.phase}
+    if plan.pipeline is not None:
+        info["predicted_memory_per_pp_rank"] = [
+            {c: float(b) for c, b in p.breakdown.items()} for p in ranks
+        ]
+    return replace(
+        plan.with_solver(**info),
+        predicted_peak_memory=float(peak.peak),
+        predicted_memory={c: float(b) for c, b in peak.breakdown.items()},
+    )
