@@ -238,3 +238,48 @@ _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d")
 def is_collective_op(func: object) -> bool:
     """``func`` is a torch.distributed collective (its outputs are communication buffers)."""
     return isinstance(func, OpOverload) and func.namespace in _COLLECTIVE_NAMESPACES
+
+
+# ------------------------------------------------------------------ pipeline schedules
+
+
+def pipeline_order(class_name: str, pp: int, stages_of: list[list[int]], microbatches: int):
+    """The per-rank action order torch.distributed.pipelining's multi-stage schedule
+    ``class_name`` executes (its ``pipeline_order``, computed on stand-in stages): per rank,
+    a list of steps, each a tuple of (kind, stage, microbatch) run one after the other, kind
+    "F", "I" (input gradient), "W" (weight gradient) or "B" (full backward). Raises
+    ValueError where torch rejects the microbatch count."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules
+
+    num = sum(len(s) for s in stages_of)
+    stand_ins = [
+        SimpleNamespace(
+            num_stages=num,
+            group_size=pp,
+            group_rank=0,
+            stage_index=s,
+            submod=torch.nn.Identity(),
+            is_first=s == 0,
+            is_last=s == num - 1,
+        )
+        for s in stages_of[0]
+    ]
+    sched = getattr(schedules, class_name)(stand_ins, microbatches)
+    kinds = {"FORWARD": "F", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W", "FULL_BACKWARD": "B"}
+    out = []
+    for rank in range(pp):
+        steps = []
+        for act in sched.pipeline_order[rank]:
+            if act is None:
+                continue
+            subs = act.sub_actions or (act,)
+            steps.append(
+                tuple(
+                    (kinds[a.computation_type.name], a.stage_index, a.microbatch_index)
+                    for a in subs
+                )
+            )
+        out.append(steps)
+    return out

@@ -9,6 +9,10 @@ collective ``backend`` and ``devices_per_node``. ``to_dict``/``from_dict`` round
 through JSON. Nothing here talks to a process group except ``Cluster.local`` (which checks the
 world size) and ``Cluster.device_mesh`` (which builds the DTensor ``DeviceMesh``).
 
+The device a run uses comes from its process group, never from a constant
+(``autopar.devices``): ``Cluster.local`` prices the local GPU's preset under NCCL, the
+``cpu`` one under gloo, and ``device_mesh`` builds a mesh of the live group's device type.
+
 Presets and per-axis links
 --------------------------
 Mesh axes are laid out row-major over ranks, ranks fill a node before the next one, so the
@@ -39,6 +43,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+
+from autopar.devices import local_preset, process_group_device
 
 __all__ = ["Cluster", "DeviceSpec", "Fabric", "Link", "PRESETS"]
 
@@ -398,14 +404,19 @@ class Cluster:
         cls,
         mesh: Sequence[int] = (2, 2),
         axis_names: Sequence[str] = ("dp", "tp"),
-        preset: str = "cpu",
+        preset: str | None = None,
     ) -> Cluster:
         """The cluster this process runs in (launched by torchrun), links from ``preset``.
 
         Checks ``prod(mesh)`` against the initialized process group; without one, only a
         single-device mesh is accepted. Devices per node come from ``LOCAL_WORLD_SIZE``.
+        Without ``preset``, the process group's device picks one (``local_preset``): the
+        GPU preset matching this CUDA device under NCCL, ``"cpu"`` under gloo.
         """
         import torch.distributed as dist
+
+        if preset is None:
+            preset = local_preset()
 
         mesh = tuple(int(s) for s in mesh)
         need = math.prod(mesh)
@@ -436,11 +447,15 @@ class Cluster:
         )
 
     def device_mesh(self, device_type: str | None = None) -> Any:
-        """``init_device_mesh`` over this cluster's mesh (needs an initialized process group)."""
+        """``init_device_mesh`` over this cluster's mesh (needs an initialized process group).
+
+        The device type is that of the running process group (``process_group_device``):
+        ``"cuda"`` under NCCL, ``"cpu"`` under gloo, whatever machine the cluster describes
+        (a plan for a DGX priced on a gloo box still runs on the box's CPUs)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         if device_type is None:
-            device_type = "cpu" if self.backend == "gloo" else "cuda"
+            device_type = process_group_device(self.backend)
         return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.axis_names)
 
 

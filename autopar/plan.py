@@ -172,6 +172,16 @@ class PipelinePlan:
 
 
 RECOMPUTE_POLICIES = ("none", "selective", "full")
+# the terms of a rank's memory, predicted (`Plan.predicted_memory`) and measured
+# (`runtime.memory_stats`) alike
+MEMORY_CATEGORIES = (
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "buffers",
+    "activations",
+    "communication",
+)
 PRECISIONS = ("bfloat16", "float16", "float32")
 
 

@@ -186,6 +186,7 @@ def plan_model(
         return plan_layout(model, batch, cluster, loss_fn, options)
     job, captured, regions = prepare(model, batch, cluster, loss_fn, options)
     with fake_group(job.cluster.world_size):
+        # the fake group only carries shapes: a cpu mesh serves whatever device runs the plan
         return job.search(captured, job.cluster.device_mesh(device_type="cpu"), regions)
 
 

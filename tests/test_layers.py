@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent / "autopar"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("autopar._compat",),
-    ("autopar.plan", "autopar.cluster", "autopar.options", "autopar.kernels"),
+    ("autopar.plan", "autopar.cluster", "autopar.devices", "autopar.options", "autopar.kernels"),
     ("autopar.capture",),
     ("autopar.passes.strategies",),
     ("autopar.cost_models",),

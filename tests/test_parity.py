@@ -11,11 +11,16 @@ sign flips in the last bit moves a parameter by up to ~lr per step under *any*
 parallelization -- torch's own DDP included, whose deviation on the same model and batch is
 measured in the same run, reported beside ours and held to the same bound (the yardstick
 must itself stay inside it).
+
+The ranks run on the backend the environment picks (`autopar.testing.parity.test_backend`:
+`AUTOPAR_TEST_BACKEND`, else NCCL when there is a GPU per rank, else gloo); the `multigpu`
+test runs the same cases on NCCL, one GPU per rank, and is skipped only without 4 GPUs.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from autopar.testing.parity import LR, ParityCase, run_parity
 
@@ -39,8 +44,24 @@ EXPECTED_ROLES = {"dp": "dp", "fsdp": "fsdp", "tp": "tp"}
 @pytest.mark.multiproc
 @pytest.mark.parametrize("sample", ["mlp", "gpt", "llama"])
 def test_every_strategy_matches_single_device(sample: str) -> None:
+    check_every_strategy(sample, backend=None)
+
+
+@pytest.mark.multiproc
+@pytest.mark.multigpu
+@pytest.mark.skipif(
+    torch.cuda.device_count() < WORLD,
+    reason=f"NCCL parity needs {WORLD} GPUs (one per rank); "
+    f"this machine has {torch.cuda.device_count()}",
+)
+@pytest.mark.parametrize("sample", ["mlp", "gpt", "llama"])
+def test_every_strategy_matches_single_device_on_nccl(sample: str) -> None:
+    check_every_strategy(sample, backend="nccl")
+
+
+def check_every_strategy(sample: str, backend: str | None) -> None:
     cases = [ParityCase(sample, mesh, names, strat, steps=STEPS) for mesh, names, strat in CASES]
-    results = run_parity(cases, WORLD)
+    results = run_parity(cases, WORLD, backend=backend)
     failures = []
     for case, res in zip(cases, results, strict=True):
         if res.error:

@@ -12,6 +12,7 @@ import typer
 
 from autopar.cli.sources import ModelSource, check_source, resolve_source
 from autopar.cluster import PRESETS, Cluster, with_pipeline_axis
+from autopar.devices import BACKENDS, choose_backend
 from autopar.plan import SCHEDULES
 from autopar.search.pins import ROLES
 
@@ -41,6 +42,15 @@ def parse_mesh(text: str) -> tuple[int, ...]:
     if not mesh or any(s <= 0 for s in mesh):
         fail(f"--mesh {text!r} is not a mesh: write positive sizes joined by 'x', e.g. 8 or 2x4")
     return mesh
+
+
+def parse_backend(text: str | None, nproc: int, gpus: int | None = None) -> str:
+    """`--backend` for `nproc` local processes (`autopar.devices.choose_backend`): without
+    one NCCL when every process has a GPU, else gloo; nccl without enough GPUs fails."""
+    try:
+        return choose_backend(text, nproc, gpus)
+    except ValueError as exc:
+        fail(f"--backend: {exc}")
 
 
 def parse_names(text: str | None) -> tuple[str, ...] | None:
@@ -176,6 +186,14 @@ ConfigOpt = Annotated[
 BatchOpt = Annotated[int, typer.Option("--batch-size", "-b", min=1, help="global batch size")]
 ClusterOpt = Annotated[str, typer.Option("--cluster", help="cluster preset: " + ", ".join(PRESETS))]
 NodesOpt = Annotated[int, typer.Option("--nodes", min=1, help="number of nodes")]
+BackendOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--backend",
+        help=f"collective backend: {'|'.join(BACKENDS)} (default nccl with a GPU per process, "
+        "else gloo)",
+    ),
+]
 MeshOpt = Annotated[str | None, typer.Option("--mesh", help="mesh shape, e.g. 8 or 2x4")]
 NamesOpt = Annotated[str | None, typer.Option("--axis-names", help="e.g. node,gpu")]
 StrategyOpt = Annotated[

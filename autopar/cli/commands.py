@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 
 from autopar.cli.args import (
+    BackendOpt,
     BatchOpt,
     CheckpointingOpt,
     ClusterOpt,
@@ -38,6 +39,7 @@ from autopar.cli.args import (
     check_pipeline,
     fail,
     make_cluster,
+    parse_backend,
     parse_mesh,
     parse_model,
     parse_names,
@@ -183,8 +185,10 @@ def run_cmd(
     shard_optimizer: ShardOptimizerOpt = False,
     shard_gradients: ShardGradientsOpt = False,
     activation_checkpointing: CheckpointingOpt = "auto",
+    backend: BackendOpt = None,
 ) -> None:
-    """Train MODEL on NPROC local gloo processes and compare with single-device training."""
+    """Train MODEL on NPROC local processes (one per GPU under NCCL, CPU under gloo) and
+    compare with single-device training."""
     source = parse_model(model, config)
     shape = parse_mesh(mesh)
     names = parse_names(axis_names) or default_axis_names(len(shape))
@@ -193,11 +197,13 @@ def run_cmd(
     if len(names) != len(shape):
         fail(f"--axis-names {','.join(names)} names {len(names)} axes; the mesh has {len(shape)}")
     pipe = PipelineArgs(pipeline_stages, microbatches, parse_schedule(schedule))
+    # only the mesh's shape is checked here: the preset's device and links do not matter
     check_pipeline(
         make_cluster("cpu", 1, mesh, ",".join(names)), pipe, parse_strategy(strategy), batch_size
     )
     args = ["--model", source.spec, "--batch-size", str(batch_size), "--mesh", mesh]
     args += ["--axis-names", ",".join(names), "--strategy", strategy, "--steps", str(steps)]
+    args += ["--backend", parse_backend(backend, nproc)]
     args += [*(["--config", config] if config is not None else []), *pipe.worker_args()]
     args += PrecisionArgs(
         mixed_precision, shard_optimizer, shard_gradients, activation_checkpointing

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import warnings
 from collections.abc import Sequence
 
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.cli.sources import load_model
+from autopar.devices import bind_local_device, choose_backend
 from autopar.testing.reference import LR, train_single_device
 from autopar.views import summary, timeline_text
 
@@ -42,6 +44,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shard-optimizer", action="store_true", help="ZeRO-1")
     p.add_argument("--shard-gradients", action="store_true", help="ZeRO-2")
     p.add_argument("--activation-checkpointing", default="auto", help="auto|none|selective|full")
+    p.add_argument("--backend", default=None, help="gloo|nccl (default: nccl with a GPU per rank)")
     return p.parse_args(argv)
 
 
@@ -93,7 +96,10 @@ def train(args: argparse.Namespace, rank: int) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    backend = choose_backend(args.backend, local_world)
+    bind_local_device(backend, int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
     try:
         train(args, dist.get_rank())
         dist.barrier()

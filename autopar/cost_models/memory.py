@@ -60,7 +60,6 @@ __all__ = [
     "param_state_bytes",
     "replicas",
     "shard_dim",
-    "state_bytes_per_element",
 ]
 
 # Optimizer state tensors per parameter, each the size of the parameter.
@@ -122,28 +121,6 @@ def optimizer_states(optimizer: str) -> int:
             "(or pass its number of state tensors per parameter)"
         )
     return OPTIMIZER_STATES[key]
-
-
-def state_bytes_per_element(
-    dtype: torch.dtype,
-    states: int = 2,
-    *,
-    trained: bool = True,
-    replicas: int = 1,
-    shard_optimizer: bool = False,
-    shard_gradients: bool = False,
-    mixed_precision: bool = False,
-) -> float:
-    """Bytes per local element of a tensor and, when ``trained``, its gradient, master copy
-    and ``states`` optimizer states, padding aside (see the module docstring)."""
-    w = dtype.itemsize
-    if not trained:
-        return w
-    m = FP32_BYTES if mixed_precision else w
-    if not shard_optimizer:
-        return (m + w if mixed_precision else w) + m + states * m
-    grads = m / replicas + (0 if shard_gradients else w)
-    return w + grads + (1 + states) * m / replicas
 
 
 def param_state_breakdown(

@@ -27,15 +27,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from autopar._compat import TorchDispatchMode, is_collective_op
-
-CATEGORIES = (
-    "parameters",
-    "gradients",
-    "optimizer_state",
-    "buffers",
-    "activations",
-    "communication",
-)
+from autopar.plan import MEMORY_CATEGORIES as CATEGORIES
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.passes.precision import LOSS_SCALE, ParamBoundary, flat_shard, gather_flat
 from autopar.plan import Spec
+from autopar.runtime.shards import mesh_device as _device
 
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 
@@ -122,7 +123,7 @@ class ParamState:
         """Example tensors of the program's extra inputs (`ParamBoundary.extra_names`)."""
         out = {f"{n}__flat": f for n, f in self.flats.items()}
         if self.scaler is not None:
-            out[LOSS_SCALE] = torch.ones(())
+            out[LOSS_SCALE] = torch.ones((), device=_device(self.mesh))
         return {k: out[k] for k in names}
 
     def program_inputs(self, params: list[str]) -> tuple[list, list]:
@@ -130,7 +131,7 @@ class ParamState:
         ps = [self.params[n].detach() for n in params]
         extras = [self.flats[n].detach() for n in params] if self.flats else []
         if self.scaler is not None:
-            like = ps[0] if ps else torch.zeros(())
+            like = ps[0] if ps else torch.zeros((), device=_device(self.mesh))
             extras.append(self.scaler.tensor(like))
         return ps, extras
 

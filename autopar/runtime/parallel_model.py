@@ -23,7 +23,7 @@ from autopar.plan import Plan, parse_spec
 from autopar.runtime.inductor import compile_program
 from autopar.runtime.memory_stats import MemoryStats, optimizer_state_tensors, track_memory
 from autopar.runtime.optimizer import OptimizerFactory, ParamState
-from autopar.runtime.shards import gather_full, local_chunk
+from autopar.runtime.shards import gather_full, local_chunk, mesh_device
 
 
 class TrainingSteps:
@@ -211,7 +211,7 @@ class ParallelModel(TrainingSteps):
             t.shape, dtype=getattr(torch, t.dtype.removeprefix("torch.")), device="meta"
         )
         shape = local_chunk(full, parse_spec(t.spec), self.mesh).shape
-        return torch.zeros(shape, dtype=full.dtype)
+        return torch.zeros(shape, dtype=full.dtype, device=mesh_device(self.mesh))
 
 
 def _named_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -10,6 +10,11 @@ producing node's placement; the receiving program wraps them back and reshards i
 says so. The global batch is cut into microbatches *before* sharding, so microbatch i is
 the same rows whatever the data-parallel degree.
 
+Gradients are synchronized once per step: a stage program's backward leaves each
+parameter's gradient unreduced on the axes where the parameter is replicated and its
+gradient partial (`_DeferGradSync`), the microbatches' local gradients accumulate, and
+after the last backward `sync_gradients` reduces them, one flat buffer per (axes, reduce
+op, dtype) (what the planner prices: one gradient reduction per step).
 A parameter used by two stages (a tied embedding and head) lives in both; after the
 schedule ran, its gradients are summed over the pipeline axis (non-owners add zeros).
 """
@@ -20,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from autopar._compat import aot_function, default_partition
 from autopar.cost_models.memory import local_shape
@@ -30,7 +35,7 @@ from autopar.passes.recompute import recompute_activations, recomputed_nodes
 from autopar.passes.stages import StageGraph
 from autopar.plan import MemoryPlan, Plan, parse_spec
 from autopar.runtime.inductor import aot_compiler
-from autopar.runtime.shards import local_chunk
+from autopar.runtime.shards import local_chunk, mesh_device
 
 
 def _identity_compiler(gm, _example_inputs):
@@ -59,9 +64,14 @@ class StageModule(nn.Module):
         self._specs = [boundary_spec(plan, n) for n in stage.params + stage.buffers + stage.inputs]
         self._shapes = [global_shape(stage, n) for n in stage.params + stage.buffers + stage.inputs]
         self._out_specs = [None if n == "loss" else boundary_spec(plan, n) for n in stage.outputs]
+        # parameter index -> its gradient's placements as the backward leaves it (known
+        # once AOTAutograd traced the backward, at the first call)
+        self.grad_placements: dict[int, tuple] = {}
+        pending = self.grad_placements
         interp = PlacedInterpreter(stage.gm, plan, mesh)
         # mixed precision: parameters cast at the boundary (passes.precision)
         boundary, n_params = ParamBoundary.of(plan), len(stage.params)
+        self.reduce_dtype = boundary.reduce_dtype  # what `sync_gradients` reduces in
 
         def program(*locals_):
             env = [
@@ -72,6 +82,8 @@ class StageModule(nn.Module):
                     zip(locals_, self._specs, self._shapes, strict=True)
                 )
             ]
+            for i in range(n_params):
+                env[i] = _DeferGradSync.apply(env[i], tuple(self._specs[i]), i, pending, mesh)
             outs = interp.run(*env, enable_io_processing=False)
             outs = outs if isinstance(outs, (tuple, list)) else (outs,)
             return tuple(
@@ -92,6 +104,67 @@ class StageModule(nn.Module):
         buffers = [getattr(self, f"b{i}") for i in range(len(self.stage.buffers))]
         outs = self._program(*self.shards, *buffers, *inputs)
         return outs[0] if len(outs) == 1 else outs
+
+
+class _DeferGradSync(torch.autograd.Function):
+    """Identity on a parameter as the program reads it; backward leaves the gradient
+    unreduced (the local partial sum) on the axes where the parameter is replicated and the
+    gradient a sum-Partial, and records its placements in `pending[index]` for
+    `sync_gradients`. The gradient goes on labelled with the parameter's own placements so
+    that the boundary below converts nothing; any other mismatch is redistributed here."""
+
+    @staticmethod
+    def forward(ctx, dt, spec, index, pending, mesh):
+        ctx.spec, ctx.index, ctx.pending, ctx.mesh = spec, index, pending, mesh
+        return dt.view_as(dt)
+
+    @staticmethod
+    def backward(ctx, grad):
+        spec, mesh = ctx.spec, ctx.mesh
+        keep = tuple(
+            gp if isinstance(sp, Replicate) and _is_sum_partial(gp) else sp
+            for sp, gp in zip(spec, grad.placements, strict=True)
+        )
+        if tuple(grad.placements) != keep:
+            grad = grad.redistribute(mesh, keep)
+        ctx.pending[ctx.index] = keep
+        if keep != spec:
+            grad = DTensor.from_local(
+                grad.to_local(),
+                mesh,
+                spec,
+                run_check=False,
+                shape=grad.shape,
+                stride=grad.stride(),
+            )
+        return grad, None, None, None, None
+
+
+def _is_sum_partial(p) -> bool:
+    return type(p) is Partial and p.reduce_op == "sum"
+
+
+def sync_gradients(modules: list[StageModule], mesh: DeviceMesh) -> None:
+    """Reduce the gradients the stage programs left partial, once: per (placements,
+    dtype), the gradients flattened into one buffer and all-reduced over the partial axes
+    (in the policy's reduce dtype, as the planner prices it)."""
+    buckets: dict[tuple, list[torch.Tensor]] = {}
+    for module in modules:
+        for i, p in enumerate(module.shards):
+            keep = module.grad_placements.get(i)
+            if p.grad is None or keep is None or not any(q.is_partial() for q in keep):
+                continue
+            src = tuple(q if q.is_partial() else Replicate() for q in keep)
+            dtype = module.reduce_dtype or p.grad.dtype
+            buckets.setdefault((src, dtype), []).append(p.grad)
+    for (src, dtype), grads in buckets.items():
+        flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
+        dt = DTensor.from_local(flat, mesh, src, run_check=False, shape=flat.shape, stride=(1,))
+        out = dt.redistribute(mesh, [Replicate()] * len(src)).to_local()
+        offset = 0
+        for g in grads:
+            g.copy_(out[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
 
 def _recompute_partition(memory: MemoryPlan, n_state: int, n_inputs: int, counts: list[int]):
@@ -151,7 +224,7 @@ def _example(stage: StageGraph, plan: Plan, names: list[str], mesh: DeviceMesh):
     for name in names:
         val = vals[name]
         shape = local_shape(tuple(val.shape), boundary_spec(plan, name), mesh.shape)
-        example = torch.zeros(shape, dtype=val.dtype)
+        example = torch.zeros(shape, dtype=val.dtype, device=mesh_device(mesh))
         # PipelineStage reads requires_grad off the examples: activations carry gradients
         out.append(example.requires_grad_(val.dtype.is_floating_point))
     return tuple(out)

@@ -15,8 +15,9 @@ from autopar.plan import SCHEDULES, Plan, parse_spec, stage_ranks
 from autopar.runtime.memory_stats import optimizer_state_tensors
 from autopar.runtime.optimizer import LossScaler
 from autopar.runtime.parallel_model import OptimizerFactory, TrainingSteps
-from autopar.runtime.pipeline import StageModule, _example, boundary_spec
-from autopar.runtime.shards import gather_full, local_chunk
+from autopar.runtime.pipeline import StageModule, _example, boundary_spec, sync_gradients
+from autopar.runtime.shards import gather_full, local_chunk, mesh_device
+from autopar.search.schedules import TORCH_CLASSES
 
 
 class PipelineModel(TrainingSteps):
@@ -39,6 +40,7 @@ class PipelineModel(TrainingSteps):
         # fp16: dynamic loss scaling (runtime.optimizer)
         self.scaler = LossScaler() if plan.memory.loss_scaling else None
         self.mesh = world_mesh[plan.stage_axis_names]  # this rank's stage submesh
+        self.device = mesh_device(world_mesh)  # where stage buffers and shards live
         self.pp_group = world_mesh.get_group("pp")
         self.pp_rank = world_mesh.get_local_rank("pp")
         pp = world_mesh.size(0)
@@ -65,15 +67,16 @@ class PipelineModel(TrainingSteps):
             module,
             graph.index,
             num,
-            torch.device("cpu"),
+            self.device,
             input_args=_example(graph, self.plan, graph.inputs, self.mesh),
             output_args=_example(graph, self.plan, graph.outputs, self.mesh)
             if graph.outputs != ["loss"]
-            else torch.zeros(()),
+            else torch.zeros((), device=self.device),
             group=self.pp_group,
             # a stage program's backward yields input and weight gradients together, so
             # the zero-bubble schedules' input-gradient action runs it whole and their
-            # weight-gradient action has nothing left to do
+            # weight-gradient action has nothing left to do (search.schedules.replay
+            # prices I and W so)
             dw_builder=_nothing_left,
         )
 
@@ -84,18 +87,19 @@ class PipelineModel(TrainingSteps):
             for name, t in zip(self.captured.user_inputs, batch, strict=True)
         ]
         losses: list[torch.Tensor] = []
-        dummy = torch.zeros(self.plan.microbatches)
+        dummy = torch.zeros(self.plan.microbatches, device=self.device)
         kwargs = {"return_outputs": False}
         if self._is_last:
             kwargs.update(target=dummy, losses=losses)
         self.schedule.step(*args, **kwargs) if self._first else self.schedule.step(**kwargs)
+        sync_gradients(list(self.modules.values()), self.mesh)  # once, after the last backward
         self._sync_tied_grads()
         if self.scaler is not None:
             self.scaler.unscale(g for g in self.local_grads().values() if g is not None)
         local = (
             torch.stack([loss.detach().float() for loss in losses]).mean()
             if losses and self._stage_coord_zero()
-            else torch.zeros(())
+            else torch.zeros((), device=self.device)
         )
         dist.all_reduce(local)
         return local / self.scaler.scale if self.scaler is not None else local
@@ -181,7 +185,7 @@ class PipelineModel(TrainingSteps):
                     parse_spec(tensors[name].spec),
                     self.mesh,
                 ).shape
-                total = torch.zeros(shape)
+                total = torch.zeros(shape, device=self.device)
             dist.all_reduce(total, group=self.pp_group)
             for p in held:
                 p.grad = total.clone()
@@ -215,19 +219,8 @@ def _tied_params(graphs) -> list[str]:
     return sorted(n for n, c in count.items() if c > 1)
 
 
-# torch.distributed.pipelining's class for each schedule of the plan's vocabulary
-SCHEDULE_CLASSES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved1f1b": "ScheduleInterleaved1F1B",
-    "interleavedzb": "ScheduleInterleavedZeroBubble",
-    "zbv": "ScheduleZBVZeroBubble",
-    "dualpipev": "ScheduleDualPipeV",
-}
-
-
 def _make_schedule(plan: Plan, stages: list[PipelineStage], loss_fn):
-    cls = getattr(pp_schedules, SCHEDULE_CLASSES[plan.schedule])
+    cls = getattr(pp_schedules, TORCH_CLASSES[plan.schedule])
     if SCHEDULES[plan.schedule] == 1:
         return cls(stages[0], plan.microbatches, loss_fn=loss_fn)
     return cls(stages, plan.microbatches, loss_fn=loss_fn)

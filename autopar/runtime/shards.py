@@ -15,8 +15,17 @@ from torch.distributed.tensor import DTensor, Shard
 from autopar.plan import Spec
 
 
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank's tensors live on: the mesh's device type (for cuda, the
+    current device, which the launcher sets to the local rank's GPU)."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
 def local_chunk(full: torch.Tensor, spec: Spec, mesh: DeviceMesh) -> torch.Tensor:
-    """This rank's shard of `full` under `spec` (a view is cloned into its own storage)."""
+    """This rank's shard of `full` under `spec`, on the mesh's device (a view is cloned
+    into its own storage; a meta tensor, used for shapes, stays on meta)."""
     coord = mesh.get_coordinate()
     assert coord is not None, "this rank is not part of the mesh"
     local = full
@@ -32,6 +41,11 @@ def local_chunk(full: torch.Tensor, spec: Spec, mesh: DeviceMesh) -> torch.Tenso
             local = local.chunk(n, dim)[coord[axis]]
         elif placement.is_partial():
             raise ValueError("a stored tensor cannot be Partial")
+    if local.is_meta:
+        return local.detach().contiguous()
+    device = mesh_device(mesh)
+    if local.device != device:  # the copy to the device is the rank's own storage
+        return local.detach().to(device).contiguous()
     return local.detach().clone().contiguous()
 
 

@@ -99,6 +99,7 @@ class _Pricer:
         rows = self.batch[0].shape[0] // layout.microbatches
         tpl = self.template(rows)
         cluster = layout.cluster(self.cluster)
+        # under the fake group (shapes only): a cpu mesh prices any device's plan
         mesh = init_device_mesh("cpu", cluster.mesh_shape, mesh_dim_names=cluster.axis_names)
         if layout.pp == 1:
             weights = CostWeights(layer=tpl.weights)

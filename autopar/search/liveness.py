@@ -46,20 +46,12 @@ from autopar.capture.export import layer_of
 from autopar.capture.operands import tensor_operands
 from autopar.capture.recompute_policy import recomputed
 from autopar.cost_models.memory import local_shape
+from autopar.plan import MEMORY_CATEGORIES as CATEGORIES
 from autopar.plan import Plan, parse_spec
 from autopar.search.param_state import Param, hold, optimizer_update, reduce_param_grad
 from autopar.search.probe import NodeProbe, probe_graph
 
 __all__ = ["CATEGORIES", "NodeProbe", "PeakMemory", "probe_graph", "simulate_step"]
-
-CATEGORIES = (
-    "parameters",
-    "gradients",
-    "optimizer_state",
-    "buffers",
-    "activations",
-    "communication",
-)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,22 +1,27 @@
-"""Pipeline schedules priced by their timelines.
+"""Pipeline schedules priced by their timelines, in the order the runtime runs them.
 
 `simulate(schedule, stage_times, microbatches, pp) -> Timeline`
 
-Each stage s has forward time f[s] and backward time b[s] per microbatch (b = input-grad
-+ weight-grad; zero-bubble schedules split it as b = bi + bw with bw = b/2). The timeline
-is built by list scheduling the schedule's per-rank order of actions (the same orders
-torch.distributed.pipelining executes: all forwards then all backwards for GPipe; warm-up,
-one-forward-one-backward, cool-down for 1F1B; round-robin over virtual stages for
-interleaved; V placement for ZBV/DualPipeV) under the dependencies F(s, m) after F(s-1, m)
-and B(s, m) after B(s+1, m) and F(s, m), plus `p2p` seconds per boundary crossing.
+Each stage s has forward time f[s] and backward time b[s] per microbatch. Each rank's
+actions come in the order torch.distributed.pipelining executes them: for GPipe and 1F1B
+the textbook orders (`_orders`: all forwards then all backwards; warm-up,
+one-forward-one-backward, cool-down), for the multi-stage schedules the `pipeline_order`
+of torch's own schedule object (`torch_order`). `replay` list-schedules those orders under
+the dependencies F(s, m) after F(s-1, m) and the backward of (s, m) after F(s, m) and the
+backward of (s+1, m), plus `p2p` seconds per crossing between ranks. Durations are what
+the runtime runs: the zero-bubble schedules' input-gradient action I runs the stage's whole
+backward and their weight-gradient action W is empty (the stage programs do not split the
+backward), and DualPipeV's overlapped forward+backward runs its two halves back to back.
 The result: step time, bubble fraction, and the peak number of microbatches whose
 activations a rank holds at once (the in-flight memory multiplier).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
+from autopar._compat import pipeline_order
 from autopar.plan import SCHEDULES, V_SHAPED, stage_ranks
 
 
@@ -65,6 +70,17 @@ def _orders(schedule: str, pp: int, m: int) -> list[list[tuple[str, int, int]]]:
 
 ZERO_BUBBLE = {"interleavedzb", "zbv", "dualpipev"}
 
+# torch.distributed.pipelining's class for each schedule of the plan's vocabulary (the
+# runtime builds these; the multi-stage ones are priced by replaying their own order)
+TORCH_CLASSES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved1f1b": "ScheduleInterleaved1F1B",
+    "interleavedzb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+
 
 def simulate(
     schedule: str, fwd: list[float], bwd: list[float], microbatches: int, pp: int, p2p: float = 0.0
@@ -72,36 +88,76 @@ def simulate(
     """List-schedule the actions; `fwd`/`bwd`: per stage, seconds per microbatch."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule '{schedule}'; choose from {sorted(SCHEDULES)}")
-    if schedule in ZERO_BUBBLE:
-        return _greedy(schedule, fwd, bwd, microbatches, pp, p2p)
-    num = len(fwd)
-    orders = _orders(schedule, pp, microbatches)
+    if SCHEDULES[schedule] == 1:
+        orders = [[(k, s, i) for k, s, i in o] for o in _orders(schedule, pp, microbatches)]
+    else:
+        orders = [[a for step in o for a in step] for o in torch_order(schedule, pp, microbatches)]
+    return replay(orders, fwd, bwd, stage_ranks(schedule, pp), p2p, schedule)
+
+
+def torch_order(schedule: str, pp: int, microbatches: int) -> list[list[tuple]]:
+    """Per rank, the steps torch's schedule object runs (each a tuple of (kind, stage,
+    microbatch) actions run back to back; DualPipeV's overlapped forward+backward is one
+    step of two). Raises ValueError where torch rejects the microbatch count."""
+    try:
+        return _torch_order(schedule, pp, microbatches)
+    except ValueError as exc:
+        raise ValueError(
+            f"{schedule} cannot run {microbatches} microbatches on {pp} pipeline ranks "
+            f"({exc}): choose another microbatch count or schedule"
+        ) from None
+
+
+@functools.lru_cache(maxsize=256)
+def _torch_order(schedule: str, pp: int, microbatches: int) -> list[list[tuple]]:
+    ranks = stage_ranks(schedule, pp)
+    stages_of = [[s for s, r in enumerate(ranks) if r == rank] for rank in range(pp)]
+    return pipeline_order(TORCH_CLASSES[schedule], pp, stages_of, microbatches)
+
+
+def replay(
+    orders: list[list[tuple[str, int, int]]],
+    fwd: list[float],
+    bwd: list[float],
+    owner: list[int],
+    p2p: float = 0.0,
+    schedule: str = "",
+) -> Timeline:
+    """Each rank runs its actions in order, each starting once the rank is free and its
+    inputs exist (F(s, m) after F(s-1, m); the backward of (s, m) after F(s, m) and the
+    backward of (s+1, m); W after I), plus `p2p` per crossing between ranks. Durations as
+    the runtime runs them: F = fwd, B = bwd, and for the zero-bubble actions I = bwd (a
+    stage program's backward yields input and weight gradients together, so the input
+    action runs it whole) and W = 0. Activations are held from F until the backward."""
+    num, pp = len(fwd), len(orders)
+    cost = {"F": fwd, "B": bwd, "I": bwd, "W": [0.0] * num}
     done: dict[tuple[str, int, int], float] = {}
-    clock = [0.0] * pp
-    busy = [0.0] * pp
+    clock, busy = [0.0] * pp, [0.0] * pp
     held, peak = [0] * pp, [0] * pp
-    rows = [[] for _ in range(pp)]
-    pending = [list(o) for o in orders]
-    while any(pending):
+    rows: list[list[str]] = [[] for _ in range(pp)]
+    at = [0] * pp
+    while any(at[r] < len(orders[r]) for r in range(pp)):
         progressed = False
         for rank in range(pp):
-            if not pending[rank]:
-                continue
-            kind, s, i = pending[rank][0]
-            deps = _deps(kind, s, i, num)
-            if any(d not in done for d in deps):
-                continue
-            start = max([clock[rank]] + [done[d] + (p2p if d[1] != s else 0.0) for d in deps])
-            dur = fwd[s] if kind == "F" else bwd[s]
-            done[(kind, s, i)] = clock[rank] = start + dur
-            busy[rank] += dur
-            held[rank] += 1 if kind == "F" else -1
-            peak[rank] = max(peak[rank], held[rank])
-            rows[rank].append(f"{kind}{s}.{i}")
-            pending[rank].pop(0)
-            progressed = True
+            while at[rank] < len(orders[rank]):
+                kind, s, i = orders[rank][at[rank]]
+                deps = _deps(kind, s, i, num)
+                if any(d not in done for d in deps):
+                    break
+                start = max(
+                    [clock[rank]]
+                    + [done[d] + (p2p if owner[d[1]] != owner[s] else 0.0) for d in deps]
+                )
+                clock[rank] = start + cost[kind][s]
+                done[("G" if kind in "IB" else kind, s, i)] = clock[rank]
+                busy[rank] += cost[kind][s]
+                held[rank] += {"F": 1, "B": -1, "I": -1, "W": 0}[kind]
+                peak[rank] = max(peak[rank], held[rank])
+                rows[rank].append(f"{kind}{s}.{i}")
+                at[rank] += 1
+                progressed = True
         if not progressed:
-            raise RuntimeError(f"schedule {schedule} deadlocks for pp={pp}, m={microbatches}")
+            raise RuntimeError(f"schedule {schedule} deadlocks on {pp} ranks")
     total = max(clock)
     bubble = 1.0 - max(busy) / total if total else 0.0
     return Timeline(total, bubble, tuple(peak), tuple(" ".join(r) for r in rows))
@@ -110,79 +166,6 @@ def simulate(
 def _deps(kind: str, s: int, i: int, num: int) -> list[tuple[str, int, int]]:
     if kind == "F":
         return [("F", s - 1, i)] if s > 0 else []
-    deps = [("F", s, i)]
-    if s < num - 1:
-        deps.append(("B", s + 1, i))
-    return deps
-
-
-def _greedy(
-    schedule: str, fwd: list[float], bwd: list[float], m: int, pp: int, p2p: float
-) -> Timeline:
-    """Zero-bubble family: backward split into input-grad B (on the critical path) and
-    weight-grad W (b/2 each), W deferred to fill idle time. Event-driven list scheduling:
-    the globally earliest startable action runs next, B before F before W, at most 2*pp
-    microbatches in flight per rank (their activation memory). Per stage, each kind of
-    action proceeds in microbatch order, so only the next one of each is a candidate."""
-    ranks = stage_ranks(schedule, pp)
-    num = len(fwd)
-    mine = [[s for s, r in enumerate(ranks) if r == rank] for rank in range(pp)]
-    nxt = {(k, s): 0 for s in range(num) for k in "FBW"}
-    dur = {"F": fwd, "B": [b / 2 for b in bwd], "W": [b / 2 for b in bwd]}
-    done: dict[tuple[str, int, int], float] = {}
-    clock, busy = [0.0] * pp, [0.0] * pp
-    held, peak = [0] * pp, [0] * pp
-    rows: list[list[str]] = [[] for _ in range(pp)]
-    for _ in range(3 * num * m):
-        best = _pick(mine, nxt, m, done, num, p2p, clock, held, 2 * pp) or _pick(
-            mine, nxt, m, done, num, p2p, clock, held, 1 << 30
-        )  # the cap would deadlock
-        if best is None:
-            raise RuntimeError(f"schedule {schedule} deadlocks for pp={pp}, m={m}")
-        (start, *_), rank, act = best
-        kind, s, i = act
-        done[act] = clock[rank] = start + dur[kind][s]
-        busy[rank] += dur[kind][s]
-        held[rank] += {"F": 1, "B": 0, "W": -1}[kind]
-        peak[rank] = max(peak[rank], held[rank])
-        rows[rank].append(f"{kind}{s}.{i}")
-        nxt[(kind, s)] += 1
-    total = max(clock)
-    return Timeline(
-        total,
-        1.0 - max(busy) / total if total else 0.0,
-        tuple(peak),
-        tuple(" ".join(r) for r in rows),
-    )
-
-
-def _pick(mine, nxt, m, done, num, p2p, clock, held, cap):
-    """The globally earliest startable action: ((start, priority...), rank, action)."""
-    best = None
-    for rank, stages in enumerate(mine):
-        for s in stages:
-            for kind in "FBW":
-                i = nxt[(kind, s)]
-                if i >= m:
-                    continue
-                ready = _ready((kind, s, i), done, num, p2p, clock[rank], held[rank], cap)
-                if ready is not None:
-                    key = (ready, "BFW".index(kind), i, -s)
-                    if best is None or key < best[0]:
-                        best = (key, rank, (kind, s, i))
-    return best
-
-
-def _ready(act, done, num: int, p2p: float, clock: float, held: int, cap: int):
-    kind, s, i = act
-    if kind == "F":
-        if held >= cap:
-            return None
-        deps = [("F", s - 1, i)] if s > 0 else []
-    elif kind == "B":
-        deps = [("F", s, i)] + ([("B", s + 1, i)] if s < num - 1 else [])
-    else:
-        deps = [("B", s, i)]
-    if any(d not in done for d in deps):
-        return None
-    return max([clock] + [done[d] + (p2p if d[1] != s else 0.0) for d in deps])
+    if kind == "W":
+        return [("G", s, i)]
+    return [("F", s, i)] + ([("G", s + 1, i)] if s < num - 1 else [])

@@ -25,8 +25,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.cli.sources import load_model
+from autopar.devices import bind_local_device
 from autopar.runtime.memory_stats import CATEGORIES
-from autopar.testing.parity import _free_port
+from autopar.testing.parity import _free_port, test_backend
 from autopar.testing.reference import LR
 
 
@@ -64,10 +65,11 @@ class RankMemory:
 
 def run_memory(cases: list[MemoryCase], world_size: int) -> list[list[RankMemory]]:
     """Per case, every rank's `RankMemory` (rank order)."""
+    backend = test_backend(world_size)  # NCCL with a GPU per rank, else gloo
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(
             _worker,
-            args=(world_size, _free_port(), [asdict(c) for c in cases], tmp),
+            args=(world_size, _free_port(), [asdict(c) for c in cases], tmp, backend),
             nprocs=world_size,
             join=True,
         )
@@ -88,11 +90,14 @@ def _case(raw: dict) -> MemoryCase:
     )
 
 
-def _worker(rank: int, world: int, port: int, cases: list[dict], out_dir: str) -> None:
+def _worker(
+    rank: int, world: int, port: int, cases: list[dict], out_dir: str, backend: str = "gloo"
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    bind_local_device(backend, rank)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
+        backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
     )
     results = []
     try:

@@ -1,7 +1,8 @@
 """Parity harness: a compiled model must train exactly like the single-device model.
 
-`run_parity(cases, world_size)` spawns `world_size` local gloo processes; in each, for every
-case it builds the model (a sample name or any model source `autopar.cli.sources` reads),
+`run_parity(cases, world_size)` spawns `world_size` local processes on the backend
+`test_backend` picks (NCCL, one GPU per rank, when `AUTOPAR_TEST_BACKEND=nccl` or when there
+are at least `world_size` GPUs; gloo on CPU otherwise); in each, for every case it builds the model (a sample name or any model source `autopar.cli.sources` reads),
 trains it on one device (the reference, `autopar.testing.reference`, computed locally by
 every rank) and with autopar under the case's mesh and strategy, for `steps` AdamW steps on
 the same global batch, and records the largest deviations of loss, gradients (this rank's
@@ -31,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.cli.sources import load_model
+from autopar.devices import bind_local_device, choose_backend, process_group_device
 from autopar.plan import MemoryPlan, Plan
 from autopar.testing.reference import LR, train_single_device
 
@@ -101,13 +103,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_parity(cases: list[ParityCase], world_size: int) -> list[ParityResult]:
-    """Run every case on `world_size` spawned gloo ranks; rank results merged (worst)."""
+def test_backend(world_size: int, gpus: int | None = None) -> str:
+    """The backend the multi-process tests run on: `AUTOPAR_TEST_BACKEND` (gloo|nccl) if
+    set, else NCCL when every rank has a GPU, else gloo (`autopar.devices.choose_backend`)."""
+    requested = os.environ.get("AUTOPAR_TEST_BACKEND") or None
+    return choose_backend(requested, world_size, gpus)
+
+
+test_backend.__test__ = False  # a helper, not a pytest test
+
+
+def run_parity(
+    cases: list[ParityCase], world_size: int, backend: str | None = None
+) -> list[ParityResult]:
+    """Run every case on `world_size` spawned ranks of `backend` (default `test_backend`);
+    rank results merged (worst)."""
+    backend = backend or test_backend(world_size)
     with tempfile.TemporaryDirectory() as tmp:
         port = _free_port()
         mp.spawn(
             _worker,
-            args=(world_size, port, [asdict(c) for c in cases], tmp),
+            args=(world_size, port, [asdict(c) for c in cases], tmp, backend),
             nprocs=world_size,
             join=True,
         )
@@ -125,12 +141,15 @@ def _merge(results: list[ParityResult]) -> ParityResult:
     return out
 
 
-def _worker(rank: int, world: int, port: int, cases: list[dict], out_dir: str) -> None:
+def _worker(
+    rank: int, world: int, port: int, cases: list[dict], out_dir: str, backend: str = "gloo"
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    bind_local_device(backend, rank)  # one GPU per rank under NCCL (all ranks are local)
     # a rank that fails mid-collective must not leave the others waiting for 30 minutes
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
+        backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
     )
     results = []
     try:
@@ -160,16 +179,24 @@ def ddp_param_error(model, batch, steps: int, ref_params) -> float:
     """How far torch's DDP (world = all ranks, batch split on dim 0) lands from the reference."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    local = copy.deepcopy(model)
-    ddp = DDP(local)
+    device = _rank_device()
+    local = copy.deepcopy(model).to(device)
+    ddp = DDP(local, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(ddp.parameters(), lr=LR)
-    shard = [t.chunk(dist.get_world_size(), 0)[dist.get_rank()] for t in batch]
+    shard = [t.chunk(dist.get_world_size(), 0)[dist.get_rank()].to(device) for t in batch]
     for _ in range(steps):
         ddp(*shard).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     state = local.state_dict()
-    return max((state[k] - v).abs().max().item() for k, v in ref_params.items())
+    return max((state[k].cpu() - v).abs().max().item() for k, v in ref_params.items())
+
+
+def _rank_device() -> torch.device:
+    """This rank's device: its current GPU under NCCL, else the CPU."""
+    if process_group_device() == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def fused_kernels(plan: Plan) -> list[str]:
@@ -299,7 +326,7 @@ def run_case(case: ParityCase) -> ParityResult:
                 want = local_chunk(full_ref, specs[fqn], pm.mesh)
             if not want.isfinite().all():  # fp16: a step the loss scaler skips
                 continue
-            err = (grad - want).abs().max().item()
+            err = (grad - want.to(grad.device)).abs().max().item()
             res.grad_abs_err = max(res.grad_abs_err, err)
             res.grad_err = max(res.grad_err, err / (want.abs().max().item() + 1e-12))
         if step == case.steps - 1 and hasattr(pm, "state"):
@@ -308,6 +335,7 @@ def run_case(case: ParityCase) -> ParityResult:
     res.recomputed = recomputed_nodes(pm)
     res.loss_rel_err = max(abs(a - b) / abs(b) for a, b in zip(res.losses, ref.losses, strict=True))
     full = pm.full_state_dict()
+    full = {k: v.cpu() for k, v in full.items()}  # the reference trains on the CPU
     res.param_err = max((full[k] - v).abs().max().item() for k, v in ref.state.items())
     res.ddp_param_err = ddp_param_error(model, batch, case.steps, ref.state)
     if case.mixed_precision:

@@ -1,0 +1,82 @@
+"""Which device and collective backend a run uses: from its process group, never a constant.
+
+NCCL runs on CUDA, gloo on CPU (``device_for_backend``; ``process_group_device`` reads the
+live group). ``choose_backend`` picks the backend for N local processes (NCCL when there is
+a GPU for each, else gloo; NCCL without enough GPUs is a ValueError) and
+``bind_local_device`` gives each process its own GPU before the group is initialized.
+``local_preset`` names the cluster preset ``Cluster.local`` prices this device with.
+Planning on the fake process group (shapes only) keeps CPU meshes: see ``planning``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# CUDA device names (torch.cuda.get_device_name) -> the preset of the machine they come in
+_GPU_PRESETS = (("H100", "dgx-h100"), ("A100", "dgx-a100-80g"), ("V100", "p3.16xlarge"))
+
+
+def device_for_backend(backend: str) -> str:
+    """The device type a collective backend runs on: ``"cuda"`` for NCCL (also inside a
+    multi-device backend string such as ``"cpu:gloo,cuda:nccl"``), ``"cpu"`` otherwise."""
+    return "cuda" if "nccl" in backend.lower() else "cpu"
+
+
+BACKENDS = ("gloo", "nccl")
+
+
+def choose_backend(requested: str | None, nproc: int, gpus: int | None = None) -> str:
+    """The collective backend for `nproc` local processes: `requested`, or without one
+    NCCL when there are at least `nproc` GPUs (`gpus`, default this machine's count), else
+    gloo. ValueError for an unknown backend, or NCCL with fewer GPUs than processes (NCCL
+    needs one GPU per process)."""
+    if gpus is None:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested is None:
+        return "nccl" if gpus >= nproc and gpus > 0 else "gloo"
+    backend = requested.lower()
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {requested!r}; choose from {', '.join(BACKENDS)}")
+    if backend == "nccl" and gpus < nproc:
+        raise ValueError(
+            f"backend nccl needs one GPU per process: {nproc} processes but {gpus} GPU(s) "
+            "visible; run fewer processes, or use backend gloo (CPU)"
+        )
+    return backend
+
+
+def bind_local_device(backend: str, local_rank: int) -> str:
+    """Before ``init_process_group(backend)``: a CUDA backend makes GPU `local_rank` this
+    process's current device (one process per GPU). Returns the device type."""
+    device = device_for_backend(backend)
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+    return device
+
+
+def process_group_device(fallback_backend: str = "gloo") -> str:
+    """The device type of the initialized default process group, else of `fallback_backend`.
+
+    The fake group planning runs under (``backend == "fake"``) has no device: it falls back
+    too, as does a process without torch.distributed."""
+    import torch.distributed as dist
+
+    backend = fallback_backend
+    if dist.is_available() and dist.is_initialized():
+        live = str(dist.get_backend())
+        if live != "fake":
+            backend = live
+    return device_for_backend(backend)
+
+
+def local_preset(device: str | None = None, device_name: str | None = None) -> str:
+    """The preset ``Cluster.local`` prices a run with: ``"cpu"`` for CPU processes, else the
+    GPU preset whose device matches ``device_name`` (this process's CUDA device by default;
+    an unknown GPU gets ``"dgx-h100"``: calibrate for real figures)."""
+    device = device or process_group_device()
+    if device == "cpu":
+        return "cpu"
+    if device_name is None:
+        device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    upper = device_name.upper()
+    return next((preset for key, preset in _GPU_PRESETS if key in upper), "dgx-h100")

@@ -1,0 +1,136 @@
+"""Any device: the device and backend come from the process group, never from a constant.
+
+Checked on the CPU: which backend N local processes get (NCCL only with a GPU each, with a
+clear error otherwise), which device a backend runs on, which preset `Cluster.local` prices
+a GPU with, that under a live gloo group `Cluster.local` and `device_mesh` give the CPU
+(whatever machine the cluster describes), that local shards land on the mesh's device,
+and that `autopar run --backend` and the test harness follow the same choice. The NCCL
+runs themselves are `test_parity.py`'s `multigpu` test.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard
+from typer.testing import CliRunner
+
+from autopar.cli import app
+from autopar.cli.worker import parse_args
+from autopar.cluster import Cluster
+from autopar.devices import (
+    bind_local_device,
+    choose_backend,
+    device_for_backend,
+    local_preset,
+    process_group_device,
+)
+from autopar.runtime.shards import local_chunk, mesh_device
+from autopar.testing.parity import test_backend as harness_backend
+
+
+@pytest.fixture
+def gloo_group(tmp_path):
+    """A real one-rank gloo process group in this process, torn down after."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp_path / 'store'}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    yield
+    dist.destroy_process_group()
+
+
+def test_backend_device() -> None:
+    assert device_for_backend("nccl") == "cuda"
+    assert device_for_backend("gloo") == "cpu"
+    assert device_for_backend("cpu:gloo,cuda:nccl") == "cuda"
+
+
+def test_choose_backend() -> None:
+    assert choose_backend(None, 4, gpus=0) == "gloo"
+    assert choose_backend(None, 4, gpus=2) == "gloo"  # not a GPU for every process
+    assert choose_backend(None, 4, gpus=4) == "nccl"
+    assert choose_backend(None, 2, gpus=8) == "nccl"
+    assert choose_backend("gloo", 4, gpus=8) == "gloo"
+    assert choose_backend("NCCL", 2, gpus=2) == "nccl"
+    with pytest.raises(ValueError, match="nccl needs one GPU per process: 4 processes but 2"):
+        choose_backend("nccl", 4, gpus=2)
+    with pytest.raises(ValueError, match="unknown backend 'mpi'; choose from gloo, nccl"):
+        choose_backend("mpi", 2, gpus=2)
+
+
+def test_harness_backend_follows_the_environment(monkeypatch) -> None:
+    monkeypatch.delenv("AUTOPAR_TEST_BACKEND", raising=False)
+    assert harness_backend(4, gpus=0) == "gloo"
+    assert harness_backend(4, gpus=4) == "nccl"
+    monkeypatch.setenv("AUTOPAR_TEST_BACKEND", "gloo")
+    assert harness_backend(4, gpus=4) == "gloo"
+    monkeypatch.setenv("AUTOPAR_TEST_BACKEND", "nccl")
+    assert harness_backend(4, gpus=4) == "nccl"
+    with pytest.raises(ValueError, match="one GPU per process"):
+        harness_backend(4, gpus=1)
+
+
+def test_local_preset_follows_the_gpu() -> None:
+    assert local_preset("cpu") == "cpu"
+    assert local_preset("cuda", "NVIDIA H100 80GB HBM3") == "dgx-h100"
+    assert local_preset("cuda", "NVIDIA A100-SXM4-80GB") == "dgx-a100-80g"
+    assert local_preset("cuda", "Tesla V100-SXM2-16GB") == "p3.16xlarge"
+    assert local_preset("cuda", "Some Future GPU") == "dgx-h100"
+
+
+def test_bind_local_device_leaves_cpu_alone() -> None:
+    assert bind_local_device("gloo", 3) == "cpu"  # no GPU touched, whatever the rank
+
+
+def test_device_without_a_group_comes_from_the_backend() -> None:
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    assert process_group_device("nccl") == "cuda"
+    assert process_group_device("gloo") == "cpu"
+    assert Cluster.local(mesh=(1,), axis_names=("dp",)).backend == "gloo"
+
+
+def test_local_under_gloo_is_cpu(gloo_group) -> None:
+    c = Cluster.local(mesh=(1,), axis_names=("dp",))
+    assert (c.backend, c.device.name) == ("gloo", "cpu")
+    assert c.device_mesh().device_type == "cpu"
+    # a GPU cluster priced on this box still runs on the box's device (the live group's)
+    h100 = Cluster.local(mesh=(1,), axis_names=("dp",), preset="dgx-h100")
+    assert h100.backend == "nccl" and h100.device_mesh().device_type == "cpu"
+    assert process_group_device("nccl") == "cpu"  # the live group wins over the fallback
+
+
+def test_local_chunk_lands_on_the_mesh_device(gloo_group) -> None:
+    mesh = Cluster.local(mesh=(1,), axis_names=("dp",)).device_mesh()
+    assert mesh_device(mesh) == torch.device("cpu")
+    full = torch.arange(8.0).reshape(4, 2)
+    local = local_chunk(full, (Shard(0),), mesh)
+    assert local.device == torch.device("cpu") and torch.equal(local, full)
+    assert local.untyped_storage().data_ptr() != full.untyped_storage().data_ptr()
+    meta = local_chunk(torch.empty(4, 2, device="meta"), (Replicate(),), mesh)
+    assert meta.is_meta and meta.shape == (4, 2)  # shapes only: stays on meta
+
+
+def test_run_backend_option() -> None:
+    runner = CliRunner()
+    too_many = torch.cuda.device_count() + 1  # always more processes than GPUs
+    result = runner.invoke(
+        app, ["run", "mlp", "--nproc", str(too_many), "--mesh", str(too_many), "--backend", "nccl"]
+    )
+    assert result.exit_code == 2, result.output
+    assert f"--backend: backend nccl needs one GPU per process: {too_many} processes" in (
+        result.output
+    )
+    result = runner.invoke(app, ["run", "mlp", "--nproc", "2", "--mesh", "2", "--backend", "mpi"])
+    assert result.exit_code == 2 and "unknown backend 'mpi'" in result.output, result.output
+    assert parse_args(["--model", "mlp", "--backend", "nccl"]).backend == "nccl"
+    assert parse_args(["--model", "mlp"]).backend is None
