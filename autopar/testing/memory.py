@@ -12,9 +12,7 @@ Used by `benchmarks/bench_memory.py` and `tests/test_memory_prediction.py`.
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 import tempfile
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -25,9 +23,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.cli.sources import load_model
-from autopar.devices import bind_local_device
 from autopar.runtime.memory_stats import CATEGORIES
-from autopar.testing.parity import _free_port, test_backend
+from autopar.testing.parity import _free_port, init_rank, test_backend
 from autopar.testing.reference import LR
 
 
@@ -93,12 +90,7 @@ def _case(raw: dict) -> MemoryCase:
 def _worker(
     rank: int, world: int, port: int, cases: list[dict], out_dir: str, backend: str = "gloo"
 ) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    bind_local_device(backend, rank)
-    dist.init_process_group(
-        backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
-    )
+    init_rank(rank, world, port, backend)
     results = []
     try:
         for raw in cases:

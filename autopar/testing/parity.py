@@ -141,16 +141,21 @@ def _merge(results: list[ParityResult]) -> ParityResult:
     return out
 
 
-def _worker(
-    rank: int, world: int, port: int, cases: list[dict], out_dir: str, backend: str = "gloo"
-) -> None:
+def init_rank(rank: int, world: int, port: int, backend: str) -> None:
+    """Join the local test job: one thread, this rank's GPU under NCCL, a 5-minute timeout
+    (a rank that fails mid-collective must not leave the others waiting for 30 minutes)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     bind_local_device(backend, rank)  # one GPU per rank under NCCL (all ranks are local)
-    # a rank that fails mid-collective must not leave the others waiting for 30 minutes
     dist.init_process_group(
         backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
     )
+
+
+def _worker(
+    rank: int, world: int, port: int, cases: list[dict], out_dir: str, backend: str = "gloo"
+) -> None:
+    init_rank(rank, world, port, backend)
     results = []
     try:
         for raw in cases:
