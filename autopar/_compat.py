@@ -109,15 +109,18 @@ __all__ = [
     "default_partition",
     "default_inductor_cache_dir",
     "detect_fake_mode",
+    "dispatch_with_local",
     "expand_to_full_mesh_op_strategy",
     "is_collective_op",
     "is_mask_partial",
     "local_tensor",
     "make_boxed_func",
     "make_fx",
+    "merge_collective_bucket",
     "no_dtensor_redistribute_costs",
     "op_schema_info",
     "op_strategy_func",
+    "register_dtensor_handler",
     "register_op_strategy",
     "single_dim_rule",
     "tree_flatten",
@@ -240,6 +243,24 @@ def is_collective_op(func: object) -> bool:
     return isinstance(func, OpOverload) and func.namespace in _COLLECTIVE_NAMESPACES
 
 
+def merge_collective_bucket(
+    graph: torch.fx.Graph, nodes: list[torch.fx.Node], insert_before: torch.fx.Node
+) -> None:
+    """Replace the functional collectives ``nodes`` (all all_reduce, reduce_scatter_tensor or
+    all_gather_into_tensor, same group and dtype, each waited once) by one collective on their
+    flat concatenation whose split views replace their waits, inserted before
+    ``insert_before``. Inductor's bucketing pass does exactly this (no public API); imported
+    here on first use (it loads inductor, ~1-3 s)."""
+    from torch._inductor.fx_passes import bucketing
+
+    merge = {
+        "all_reduce": bucketing.merge_all_reduce_bucket,
+        "reduce_scatter_tensor": bucketing.merge_reduce_scatter_bucket,
+        "all_gather_into_tensor": bucketing.merge_all_gather_bucket,
+    }[nodes[0].target._schema.name.split("::")[-1]]
+    merge(graph, nodes, mode="default", insert_before=insert_before)
+
+
 # ------------------------------------------------------------------ pipeline schedules
 
 
@@ -283,3 +304,39 @@ def pipeline_order(class_name: str, pp: int, stages_of: list[list[int]], microba
             )
         out.append(steps)
     return out
+
+
+# ------------------------------------------------------------------ DTensor op handlers
+
+
+def register_dtensor_handler(op: OpOverload, handler: Callable[..., object]) -> None:
+    """Route DTensor's dispatch of `op` to `handler(op_call, args, kwargs)` (idempotent)."""
+    DTensor._op_dispatcher._custom_op_handlers[op] = handler
+
+
+def dispatch_with_local(
+    op_call: OpOverload,
+    args: tuple,
+    kwargs: dict,
+    local_call: Callable[[tuple, dict, Any], object],
+) -> object:
+    """DTensor's own dispatch of `op_call` (propagate, redistribute the inputs, wrap the
+    outputs), with the local computation `local_call(local_args, local_kwargs,
+    output_spec)` in place of `op_call(*local_args, **local_kwargs)`."""
+    dispatcher = DTensor._op_dispatcher
+    op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+    dispatcher.sharding_propagator.propagate(op_info)
+    sharding = op_info.output_sharding
+    assert sharding is not None
+    if sharding.needs_redistribute:
+        assert sharding.redistribute_schema is not None
+        dispatcher.redistribute_local_args(
+            op_info, sharding.redistribute_schema, sharding.use_val_from_redistribute_schema
+        )
+    local_args = (
+        tree_unflatten(list(op_info.local_args), op_info.args_tree_spec)
+        if op_info.args_tree_spec
+        else tuple(op_info.local_args)
+    )
+    result = local_call(tuple(local_args), dict(op_info.local_kwargs), sharding.output_spec)
+    return dispatcher.wrap(result, sharding.output_spec)

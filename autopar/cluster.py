@@ -3,10 +3,12 @@
 Contract
 --------
 ``Cluster`` is pure, frozen, hashable data: a ``DeviceSpec`` (peak FLOP/s per dtype, memory
-per device, memory bandwidth), the logical ``mesh_shape`` with ``axis_names``, one ``Link``
+per device, memory bandwidth, achieved efficiencies; ``autopar.hardware``), the logical ``mesh_shape`` with ``axis_names``, one ``Link``
 (alpha-beta: per-device bus bandwidth in bytes/s, latency in s) per mesh axis, the
-collective ``backend`` and ``devices_per_node``. ``to_dict``/``from_dict`` round-trip exactly
-through JSON. Nothing here talks to a process group except ``Cluster.local`` (which checks the
+collective ``backend``, ``devices_per_node`` and ``comm_overlap`` (the fraction of weight
+gathers and gradient reductions the runtime hides under compute; 0 today). ``to_dict``/
+``from_dict`` round-trip exactly through JSON; ``save``/``load`` write and read a cluster
+file (``autopar calibrate`` measures one). Nothing here talks to a process group except ``Cluster.local`` (which checks the
 world size) and ``Cluster.device_mesh`` (which builds the DTensor ``DeviceMesh``).
 
 The device a run uses comes from its process group, never from a constant
@@ -38,146 +40,16 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
-
 from autopar.devices import local_preset, process_group_device
+from autopar.hardware import DeviceSpec, Fabric, Link
 
 __all__ = ["Cluster", "DeviceSpec", "Fabric", "Link", "PRESETS"]
 
-_DTYPE_KEYS = ("float32", "bfloat16", "float16")
 _GiB = 2**30
-
-
-class _FrozenMap(Mapping[str, float]):
-    """Read-only, hashable ``dict`` replacement (a frozen dataclass must stay hashable)."""
-
-    __slots__ = ("_d",)
-
-    def __init__(self, items: Mapping[str, float]) -> None:
-        self._d = dict(items)
-
-    def __getitem__(self, key: str) -> float:
-        return self._d[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._d)
-
-    def __len__(self) -> int:
-        return len(self._d)
-
-    def __hash__(self) -> int:
-        return hash(frozenset(self._d.items()))
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Mapping) and dict(self._d) == dict(other)
-
-    def __repr__(self) -> str:
-        return repr(self._d)
-
-
-def _dtype_key(dtype: str | torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"
-
-
-def _positive(value: float, what: str) -> float:
-    value = float(value)
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{what} must be a positive finite number, got {value!r}")
-    return value
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceSpec:
-    """One accelerator: peak FLOP/s per dtype, memory (bytes) and memory bandwidth (bytes/s)."""
-
-    name: str
-    peak_flops: Mapping[str, float]  # "float32"/"bfloat16"/"float16" -> FLOP/s
-    memory_bytes: float
-    memory_bandwidth: float
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("DeviceSpec.name must be a non-empty string")
-        flops = {
-            _dtype_key(k): _positive(v, f"peak_flops[{k!r}]") for k, v in self.peak_flops.items()
-        }
-        if "float32" not in flops:
-            raise ValueError(f"DeviceSpec {self.name!r}: peak_flops needs a 'float32' entry")
-        object.__setattr__(self, "peak_flops", _FrozenMap(flops))
-        object.__setattr__(self, "memory_bytes", _positive(self.memory_bytes, "memory_bytes"))
-        object.__setattr__(
-            self, "memory_bandwidth", _positive(self.memory_bandwidth, "memory_bandwidth")
-        )
-
-    def peak_flops_for(self, dtype: str | torch.dtype) -> float:
-        """Peak FLOP/s for ``dtype``; dtypes without an entry fall back to float32."""
-        return self.peak_flops.get(_dtype_key(dtype), self.peak_flops["float32"])
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "peak_flops": dict(self.peak_flops),
-            "memory_bytes": self.memory_bytes,
-            "memory_bandwidth": self.memory_bandwidth,
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class Link:
-    """Alpha-beta link of one mesh axis: per-device bus ``bandwidth`` (bytes/s), ``latency`` (s)."""
-
-    bandwidth: float
-    latency: float
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "bandwidth", _positive(self.bandwidth, "Link.bandwidth"))
-        latency = float(self.latency)
-        if not (latency >= 0 and math.isfinite(latency)):
-            raise ValueError(f"Link.latency must be a finite number >= 0, got {latency!r}")
-        object.__setattr__(self, "latency", latency)
-
-    def __str__(self) -> str:
-        return f"{self.bandwidth / 1e9:g} GB/s {self.latency * 1e6:g} us"
-
-
-@dataclass(frozen=True, slots=True)
-class Fabric:
-    """The network a mesh's per-axis links are derived from (see the module docstring)."""
-
-    intra: Link  # inside a node (per device)
-    nic_bandwidth_per_node: float  # bytes/s, all NICs of a node together
-    inter_latency: float
-
-    def axis_links(self, mesh: Sequence[int], devices_per_node: int) -> tuple[Link, ...]:
-        links = []
-        for i in range(len(mesh)):
-            if math.prod(mesh[i:]) <= devices_per_node:
-                links.append(self.intra)
-                continue
-            concurrent = min(devices_per_node, math.prod(mesh[i + 1 :]))
-            bandwidth = min(self.intra.bandwidth, self.nic_bandwidth_per_node / concurrent)
-            links.append(Link(bandwidth, max(self.inter_latency, self.intra.latency)))
-        return tuple(links)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "intra": {"bandwidth": self.intra.bandwidth, "latency": self.intra.latency},
-            "nic_bandwidth_per_node": self.nic_bandwidth_per_node,
-            "inter_latency": self.inter_latency,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Fabric:
-        intra = data["intra"]
-        return cls(
-            Link(intra["bandwidth"], intra["latency"]),
-            float(data["nic_bandwidth_per_node"]),
-            float(data["inter_latency"]),
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,30 +61,61 @@ class _Preset:
     devices_per_node: int | None  # None: as many as the mesh asks for (cpu)
     backend: str
     device_label: str  # name of the per-node axis in default meshes
+    inter_efficiency: float = 1.0
 
     @property
     def fabric(self) -> Fabric:
-        return Fabric(self.intra, self.nic_bandwidth_per_node, self.inter_latency)
+        return Fabric(
+            self.intra, self.nic_bandwidth_per_node, self.inter_latency, self.inter_efficiency
+        )
 
 
+# Efficiency figures (fractions of the line rates above that real kernels and collectives
+# reach), from published measurements:
+#   GEMM: cuBLAS large bf16 GEMMs reach ~85% of peak on A100 and ~72% on H100 SXM (NVIDIA,
+#     "New cuBLAS 12.0 Features and Matrix Multiplication Performance on NVIDIA Hopper
+#     GPUs", 2023; CUTLASS profiler tables); a 1024^3 GEMM reaches ~2/3 of that, hence
+#     matmul_half_flops ~ 1-2 GFLOP.
+#   Attention: FlashAttention-2 (Dao, 2023) fwd+bwd ~65% of peak on A100; on H100 FA2 runs
+#     at ~35% and FA3 at up to ~75% (Shah et al., 2024): cuDNN/FA-class kernels ~50%.
+#   Memory-bound kernels: BabelStream/STREAM triad reaches ~85% of HBM bandwidth.
+#   Collectives: nccl-tests ring busbw ~370 GB/s of NVLink4's 450 GB/s line rate
+#     (NVIDIA/nccl-tests#212), ~230 GB/s of NVLink3's 300 (NVIDIA/nccl-tests#149 reports
+#     200-230), ~90% of InfiniBand line rate across nodes.
+#   Launch: ~3 us per CUDA kernel (launch latency plus the tail between kernels).
 PRESETS: dict[str, _Preset] = {
     # 8x A100-SXM4-80GB, NVLink3 (~300 GB/s bus bw), 8x HDR 200Gb/s InfiniBand (25 GB/s/GPU).
     "dgx-a100-80g": _Preset(
-        DeviceSpec("A100-SXM4-80GB", {"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12}, 80 * _GiB, 2.0e12),
-        Link(300e9, 5e-6), 8 * 25e9, 10e-6, 8, "nccl", "gpu",
+        DeviceSpec(
+            "A100-SXM4-80GB", {"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12}, 80 * _GiB, 2.0e12,
+            matmul_efficiency=0.85, matmul_half_flops=1e9, attention_efficiency=0.65,
+            memory_efficiency=0.85, launch_overhead=3e-6,
+        ),
+        Link(300e9, 5e-6, 0.77), 8 * 25e9, 10e-6, 8, "nccl", "gpu", inter_efficiency=0.9,
     ),
     # 8x H100-SXM5-80GB, NVLink4 (~450 GB/s bus bw), 8x NDR 400Gb/s InfiniBand (50 GB/s/GPU).
     "dgx-h100": _Preset(
-        DeviceSpec("H100-SXM5-80GB", {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12}, 80 * _GiB, 3.35e12),
-        Link(450e9, 5e-6), 8 * 50e9, 10e-6, 8, "nccl", "gpu",
+        DeviceSpec(
+            "H100-SXM5-80GB", {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12}, 80 * _GiB, 3.35e12,
+            matmul_efficiency=0.72, matmul_half_flops=2e9, attention_efficiency=0.5,
+            memory_efficiency=0.85, launch_overhead=3e-6,
+        ),
+        Link(450e9, 5e-6, 0.82), 8 * 50e9, 10e-6, 8, "nccl", "gpu", inter_efficiency=0.9,
     ),
     # 8x V100-SXM2-16GB, NVLink2 (~150 GB/s), one 25Gb/s Ethernet NIC per node. V100 has no
-    # bf16 units: bf16 runs at the fp32 rate.
+    # bf16 units: bf16 runs at the fp32 rate. (cuBLAS fp16 GEMMs ~80% of peak; NCCL over
+    # TCP ~80% of the Ethernet line rate.)
     "p3.16xlarge": _Preset(
-        DeviceSpec("V100-SXM2-16GB", {"float32": 15.7e12, "bfloat16": 15.7e12, "float16": 125e12}, 16 * _GiB, 900e9),
-        Link(150e9, 5e-6), 25e9 / 8, 30e-6, 8, "nccl", "gpu",  # 25 Gb/s = 3.125e9 B/s per node
+        DeviceSpec(
+            "V100-SXM2-16GB", {"float32": 15.7e12, "bfloat16": 15.7e12, "float16": 125e12}, 16 * _GiB, 900e9,
+            matmul_efficiency=0.8, matmul_half_flops=5e8, attention_efficiency=0.5,
+            memory_efficiency=0.85, launch_overhead=3e-6,
+        ),
+        Link(150e9, 5e-6, 0.85), 25e9 / 8, 30e-6, 8, "nccl", "gpu",  # 25 Gb/s = 3.125e9 B/s per node
+        inter_efficiency=0.8,
     ),
     # This CPU box with gloo: every axis, inside or across "nodes", gets the same slow link.
+    # Its figures are rough achieved rates already; `autopar calibrate` measures real ones.
     "cpu": _Preset(
         DeviceSpec("cpu", {"float32": 50e9, "bfloat16": 25e9, "float16": 25e9}, 24e9, 20e9),
         Link(1e9, 50e-6), math.inf, 50e-6, None, "gloo", "cpu",
@@ -231,8 +134,16 @@ class Cluster:
     backend: str = "nccl"
     devices_per_node: int = 8
     fabric: Fabric | None = None  # presets know it; lets the search re-mesh the devices
+    # A uniform fraction of a collective hidden under compute (`cost_models.comm.exposed`),
+    # kept for cluster files that carry it; the search does not apply it: the overlap the
+    # runtime gets (`passes.comm`) is priced from its schedule (`cost_models.buckets`).
+    comm_overlap: float = 0.0
 
     def __post_init__(self) -> None:
+        overlap = float(self.comm_overlap)
+        if not 0 <= overlap < 1:
+            raise ValueError(f"comm_overlap must be in [0, 1), got {self.comm_overlap!r}")
+        object.__setattr__(self, "comm_overlap", overlap)
         mesh = tuple(self.mesh_shape)
         names = tuple(self.axis_names)
         links = tuple(self.links)
@@ -292,31 +203,46 @@ class Cluster:
             "device": self.device.to_dict(),
             "mesh_shape": list(self.mesh_shape),
             "axis_names": list(self.axis_names),
-            "links": [{"bandwidth": lk.bandwidth, "latency": lk.latency} for lk in self.links],
+            "links": [lk.to_dict() for lk in self.links],
             "backend": self.backend,
             "devices_per_node": self.devices_per_node,
+            "comm_overlap": self.comm_overlap,
             **({"fabric": self.fabric.to_dict()} if self.fabric else {}),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Cluster:
         try:
-            dev = data["device"]
             return cls(
-                device=DeviceSpec(
-                    dev["name"], dev["peak_flops"], dev["memory_bytes"], dev["memory_bandwidth"]
-                ),
+                device=DeviceSpec.from_dict(data["device"]),
                 mesh_shape=tuple(int(s) for s in data["mesh_shape"]),
                 axis_names=tuple(data["axis_names"]),
-                links=tuple(Link(lk["bandwidth"], lk["latency"]) for lk in data["links"]),
+                links=tuple(Link.from_dict(lk) for lk in data["links"]),
                 backend=data.get("backend", "nccl"),
                 devices_per_node=int(data.get("devices_per_node", 8)),
                 fabric=Fabric.from_dict(data["fabric"]) if "fabric" in data else None,
+                comm_overlap=float(data.get("comm_overlap", 0.0)),
             )
         except (KeyError, TypeError) as e:
             raise ValueError(
                 f"not a Cluster dict ({e!r}): {json.dumps(data, default=str)[:200]}"
             ) from e
+
+    def save(self, path: str | os.PathLike[str], **extra: Any) -> None:
+        """Write the cluster as JSON (``extra`` keys, e.g. calibration measurements, ride
+        along and are ignored by ``load``)."""
+        with open(path, "w") as f:
+            json.dump({**self.to_dict(), **extra}, f, indent=1)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Cluster:
+        """A cluster file written by ``save`` or ``autopar calibrate``."""
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read cluster file {str(path)!r}: {e}") from e
+        return cls.from_dict(data)
 
     def __str__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.mesh_shape, strict=True))
@@ -397,6 +323,7 @@ class Cluster:
             self.backend,
             self.devices_per_node,
             self.fabric,
+            self.comm_overlap,
         )
 
     @classmethod

@@ -7,7 +7,10 @@ stage needs from it: the search's `SearchOptions`, the pipeline's `PipelineOptio
 fusion mode. Pins left at their default are searched (`strategy="auto"`, no `placements`,
 `pipeline_stages=None` with no "pp" mesh axis, ...).
 
-    strategy         a role for every mesh axis ("auto", "dp", "fsdp", "tp") or one per axis
+    strategy         a role for every mesh axis ("auto", "dp", "fsdp", "tp", "sp", "cp",
+                     "ep") or one per axis ("sp": tp with sequence-parallel norms; "cp":
+                     context parallel, the sequence split through attention; "ep": dp with
+                     stacked expert weights split on their expert dim)
     placements       {parameter or input name: spec}, e.g. {"lm_head.weight": "S(0),R"}
     memory_limit     bytes per device (default: 90% of the cluster's device memory)
     time_limit_s     the ILP solver's time limit
@@ -36,7 +39,7 @@ from numbers import Real
 
 from autopar.plan import FUSION_MODES, RECOMPUTE_POLICIES, SCHEDULES, parse_spec
 
-ROLES = ("auto", "dp", "fsdp", "tp")
+ROLES = ("auto", "dp", "fsdp", "tp", "sp", "cp", "ep")
 MIXED_PRECISION = {"bf16": "bfloat16", "fp16": "float16"}  # option -> torch dtype name
 REDUCE_DTYPES = ("float32", "bfloat16", "float16")
 

@@ -7,7 +7,10 @@
 `plan_model` runs the search under a fake process group of the cluster's size (the model
 may live on the meta device); with `pipeline_stages="auto"`, `plan_layout` first searches
 the layout on layer templates (`autopar.search.layouts`) and then plans the whole model on
-the winner. `plan_for_ranks` is compile's half: rank 0 searches and broadcasts its plan
+the winner. A model repeating a block `TEMPLATE_MIN_BLOCKS` times or more is solved on its
+two-block template and the decisions replicated onto the full capture
+(`autopar.search.template_plan`; the layout search's template and solve are reused).
+The phases are timed by `autopar.search.progress` (`autopar plan --profile`). `plan_for_ranks` is compile's half: rank 0 searches and broadcasts its plan
 (or every rank checks a saved plan against its own graph and mesh), then every rank
 compares the plan's hash with rank 0's before the first collective.
 """
@@ -27,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar._compat import FakeStore
 from autopar.capture import Captured, capture
+from autopar.capture.template import Template, block_stack, capture_template
 from autopar.cluster import Cluster, with_pipeline_axis
 from autopar.options import MIXED_PRECISION, PlanOptions
 from autopar.passes.fusion import fuse_regions
@@ -36,6 +40,8 @@ from autopar.search.intra_op import search_plan
 from autopar.search.layouts import search_layout
 from autopar.search.peak import with_predicted_memory
 from autopar.search.pins import SearchOptions
+from autopar.search.progress import phase
+from autopar.search.template_plan import plan_from_template
 
 
 @dataclass(frozen=True)
@@ -97,12 +103,24 @@ class PlanJob:
         return tuple(fuse_regions(captured, kernels=self.fusion))
 
     def search(
-        self, captured: Captured, mesh: DeviceMesh, regions: tuple[FusedRegion, ...] = ()
+        self,
+        captured: Captured,
+        mesh: DeviceMesh,
+        regions: tuple[FusedRegion, ...] = (),
+        template: Template | None = None,
     ) -> Plan:
+        """The plan of `captured`: solved on `template` (two blocks standing for all of
+        them, `autopar.search.template_plan`) when given and it corresponds, else on the
+        full graph."""
         options = SearchOptions.from_options(self.options)
-        if self.pipeline is None:
+        plan = None
+        if template is not None and not regions:
+            plan = plan_from_template(
+                captured, template, self.cluster, mesh, options, self.pipeline
+            )
+        if plan is None and self.pipeline is None:
             plan = search_plan(captured, self.cluster, mesh, options)
-        else:
+        elif plan is None:
             stage_names = tuple(n for n in self.cluster.axis_names if n != "pp")
             plan = search_pipeline(
                 captured, self.cluster, mesh[stage_names], options, self.pipeline
@@ -113,7 +131,8 @@ class PlanJob:
         memory = replace(plan.memory, **precision_fields(self.options))
         plan = replace(plan, fusion=applied, fused_regions=regions, memory=memory)
         # what the runtime really holds at its peak (a liveness simulation of the step)
-        return with_predicted_memory(captured, plan, options.optimizer_states)
+        with phase("assembly"):
+            return with_predicted_memory(captured, plan, options.optimizer_states)
 
 
 def prepare(
@@ -125,14 +144,44 @@ def prepare(
     plan: Plan | None = None,
 ) -> tuple[PlanJob, Captured, tuple[FusedRegion, ...]]:
     """What compile and plan share: the job, the captured (maybe fused) graph."""
+    return prepare_search(model, batch, cluster, loss_fn, options, plan)[:3]
+
+
+def prepare_search(
+    model: nn.Module,
+    batch: Sequence[torch.Tensor],
+    cluster: Cluster,
+    loss_fn: Callable | None,
+    options: PlanOptions,
+    plan: Plan | None = None,
+    template: bool = False,
+) -> tuple[PlanJob, Captured, tuple[FusedRegion, ...], Template | None]:
+    """`prepare`, and with `template` the two-block template to search on (None when
+    nothing repeats)."""
     job = PlanJob.make(options, cluster, batch, plan)
     dtype = compute_dtype(options, plan)
-    if dtype is None:
-        captured = capture(model, job.capture_batch(batch), loss_fn)
-    else:  # captured in the compute dtype: activations and communication priced in it
-        model, batch = in_compute_dtype(model, job.capture_batch(batch), dtype)
+    batch = job.capture_batch(batch)
+    if dtype is not None:  # captured in the compute dtype: activations and communication
+        model, batch = in_compute_dtype(model, batch, dtype)  # priced in it
+    with phase("capture"):
         captured = capture(model, batch, loss_fn)
-    return job, captured, job.fuse(captured)
+        tpl = template_of(model, batch, loss_fn) if template else None
+        regions = job.fuse(captured)
+    return job, captured, regions, tpl
+
+
+def template_of(model: nn.Module, batch: Sequence[torch.Tensor], loss_fn) -> Template | None:
+    """The two-block template when the model repeats a block `TEMPLATE_MIN_BLOCKS` times or
+    more (below that a second capture costs more than the full graph's ILP saves)."""
+    stack = block_stack(model)
+    if stack is None or len(stack[1]) < TEMPLATE_MIN_BLOCKS:
+        return None
+    tpl = capture_template(model, batch, loss_fn, keep=TEMPLATE_BLOCKS)
+    return tpl if tpl.total_layers is not None else None
+
+
+TEMPLATE_BLOCKS = 2
+TEMPLATE_MIN_BLOCKS = 8
 
 
 def compute_dtype(options: PlanOptions, plan: Plan | None) -> torch.dtype | None:
@@ -180,14 +229,19 @@ def plan_model(
     cluster: Cluster,
     loss_fn: Callable | None,
     options: PlanOptions,
+    template: Template | None = None,
 ) -> Plan:
-    """`autopar.plan`: search without processes or weights."""
+    """`autopar.plan`: search without processes or weights (on `template` when given: the
+    layout search's, captured at the same shapes)."""
     if options.searches_layout:
         return plan_layout(model, batch, cluster, loss_fn, options)
-    job, captured, regions = prepare(model, batch, cluster, loss_fn, options)
+    job, captured, regions, tpl = prepare_search(
+        model, batch, cluster, loss_fn, options, template=template is None
+    )
+    tpl = template or tpl
     with fake_group(job.cluster.world_size):
         # the fake group only carries shapes: a cpu mesh serves whatever device runs the plan
-        return job.search(captured, job.cluster.device_mesh(device_type="cpu"), regions)
+        return job.search(captured, job.cluster.device_mesh(device_type="cpu"), regions, tpl)
 
 
 def plan_layout(
@@ -223,6 +277,7 @@ def plan_layout(
             microbatches=best.microbatches if pipelined else None,
             schedule=best.schedule,
         ),
+        template=found.template_for(best, batch[0].shape[0]),
     )
     return final.with_solver(
         layout=best.key, layout_candidates=found.tried, layout_search_s=found.search_time_s
@@ -239,19 +294,15 @@ def plan_for_ranks(
 ) -> tuple[Plan, Captured, DeviceMesh]:
     """compile's half: every rank holds the same plan for its captured graph, and the
     mesh it runs on."""
-    zero = plan.memory.shard_optimizer if plan is not None else options.shard_optimizer
-    job = PlanJob.make(options, cluster, batch, plan)
-    if zero and job.pipeline is not None:
-        raise ValueError(
-            "shard_optimizer / shard_gradients (ZeRO) do not run with pipelining yet: "
-            "compile without them, or without pipeline stages"
-        )
-    job, captured, regions = prepare(model, batch, cluster, loss_fn, options, plan)
+    searches = plan is None and dist.get_rank() == 0  # the others receive its plan
+    job, captured, regions, tpl = prepare_search(
+        model, batch, cluster, loss_fn, options, plan, template=searches
+    )
     mesh = job.cluster.device_mesh()
     if plan is not None:
         check_plan_matches(plan, captured, job.cluster)
     else:
-        plan = plan_on_rank0(captured, job, mesh, regions)
+        plan = plan_on_rank0(captured, job, mesh, regions, tpl)
     verify_same_plan(plan)
     return plan, captured, mesh
 
@@ -297,14 +348,18 @@ def check_plan_matches(plan: Plan, captured: Captured, cluster: Cluster) -> None
 
 
 def plan_on_rank0(
-    captured: Captured, job: PlanJob, mesh: DeviceMesh, regions: tuple[FusedRegion, ...]
+    captured: Captured,
+    job: PlanJob,
+    mesh: DeviceMesh,
+    regions: tuple[FusedRegion, ...],
+    template: Template | None = None,
 ) -> Plan:
     """Rank 0 searches; the others receive its plan (solvers with time limits are not
     guaranteed to answer identically on every rank)."""
     box: list[object] = [None]
     if dist.get_rank() == 0:
         try:
-            box[0] = job.search(captured, mesh, regions).to_json()
+            box[0] = job.search(captured, mesh, regions, template).to_json()
         except Exception as exc:  # the other ranks must not wait forever for a plan
             box[0] = exc
     dist.broadcast_object_list(box, src=0)

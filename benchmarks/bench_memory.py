@@ -39,6 +39,7 @@ PLANS: dict[str, tuple] = {
     "dp+zero1": ((4,), ("dp",), "dp", {"shard_optimizer": True}, None),
     "dp+zero2": ((4,), ("dp",), "dp", {"shard_optimizer": True, "shard_gradients": True}, None),
     "pp2xdp2": ((2, 2), ("pp", "dp"), "dp", {}, ("1f1b", 2)),
+    "pp2xdp2+zero1": ((2, 2), ("pp", "dp"), "dp", {"shard_optimizer": True}, ("1f1b", 2)),
 }
 
 

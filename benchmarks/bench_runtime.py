@@ -3,6 +3,7 @@
     python benchmarks/bench_runtime.py [--sample gpt] [--config small] [--batch 16]
                                        [--families dp,fsdp,tp] [--warmup 3] [--steps 10]
                                        [--profile 3] [--csv build/bench_runtime.csv]
+                                       [--compare-off]
 
 The defaults are issue 10's setup: the GPT sample's "small" config (4 layers, d=256,
 vocab 512, sequence 128), a global batch of 16, on 4 local gloo processes (one spawn for
@@ -23,6 +24,10 @@ the slowest rank's; the table shows the median over `--steps` after `--warmup`, 
 torch / autopar (speed: > 1 means autopar is faster) and autopar's predicted step time
 (`plan.predicted_step_time`). The losses of each pair must agree at every step (`--tol`,
 relative): the bench exits 1 when a run diverges.
+
+`--compare-off` also times autopar's program without the communication pass
+(`autopar.passes.comm`: gradient buckets, collectives issued early and waited late), as
+"autopar-off", in the same run: before/after on the same load.
 
 `--profile N` runs N more steps of every run under torch.profiler on rank 0 and splits the
 step into compute (self time of aten ops), collectives (launch + wait: c10d / gloo /
@@ -54,6 +59,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autopar  # noqa: E402
 from autopar.cli.sources import load_model  # noqa: E402
+from autopar.passes.comm import OFF as COMM_OFF  # noqa: E402
+from autopar.runtime.parallel_model import ParallelModel  # noqa: E402
 from autopar.testing.parity import _free_port  # noqa: E402
 from autopar.testing.reference import LR  # noqa: E402
 
@@ -171,7 +178,9 @@ def torch_runner(family: str, model, batch, rank: int, world: int):
     return fwd_bwd, opt_step
 
 
-def autopar_runner(family: str, model, batch):
+def autopar_runner(family: str, model, batch, comm: bool = True):
+    """autopar's compiled model; `comm=False`: its program without the communication pass
+    (`autopar.passes.comm.OFF`: one collective per tensor, each waited at once)."""
     axis, strategy, extra = AUTOPAR[family]
     pm = autopar.compile(
         model,
@@ -182,6 +191,8 @@ def autopar_runner(family: str, model, batch):
         activation_checkpointing="none",
         **extra,
     )
+    if not comm:
+        pm = ParallelModel(model, pm.captured, pm.plan, pm.mesh, _optimizer, comm=COMM_OFF)
     return pm, (lambda: pm.forward_backward(*batch)), pm.optimizer_step
 
 
@@ -197,8 +208,8 @@ def _global_loss(family: str, impl: str, loss: torch.Tensor) -> torch.Tensor:
 def run_one(family: str, impl: str, args, rank: int) -> dict:
     model, batch = load_model(args.sample, args.config, args.batch, seed=0)
     out: dict = {"family": family, "impl": impl}
-    if impl == "autopar":
-        pm, fwd_bwd, opt_step = autopar_runner(family, model, batch)
+    if impl.startswith("autopar"):
+        pm, fwd_bwd, opt_step = autopar_runner(family, model, batch, impl == "autopar")
         out["predicted_ms"] = 1e3 * pm.plan.predicted_step_time
         gm = pm.program.gm
         out["program_collectives"] = sum(
@@ -289,7 +300,7 @@ def _worker(rank: int, world: int, port: int, args, out_dir: str) -> None:
     try:
         results = []
         for family in args.families:
-            for impl in ("autopar", "torch"):
+            for impl in ("autopar", "torch") + (("autopar-off",) if args.compare_off else ()):
                 results.append(run_one(family, impl, args, rank))
                 if rank == 0:
                     r = results[-1]
@@ -324,11 +335,11 @@ def rows_of(results: list[dict], args) -> list[dict]:
         rows.append(
             {
                 "family": fam,
-                "impl": "autopar" if impl == "autopar" else TORCH_NAME[fam],
+                "impl": impl if impl.startswith("autopar") else TORCH_NAME[fam],
                 "ms_median": round(med[(fam, impl)], 2),
                 "ms_min": round(min(r["ms"]), 2),
-                "speed_vs_torch": round(med[(fam, "torch")] / med[(fam, "autopar")], 3)
-                if impl == "autopar"
+                "speed_vs_torch": round(med[(fam, "torch")] / med[(fam, impl)], 3)
+                if impl.startswith("autopar")
                 else "",
                 "predicted_ms": round(r["predicted_ms"], 2) if "predicted_ms" in r else "",
                 "loss_first": round(r["losses"][0], 6),
@@ -360,7 +371,7 @@ def print_profile(results: list[dict]) -> None:
         p = r.get("profile")
         if not p:
             continue
-        impl = "autopar" if r["impl"] == "autopar" else TORCH_NAME[r["family"]]
+        impl = r["impl"] if r["impl"].startswith("autopar") else TORCH_NAME[r["family"]]
         print(
             f"{r['family']:6s} {impl:8s} {p['step_ms']:8.1f} {p['fwd_bwd_ms']:8.1f} "
             f"{p['optimizer_ms']:8.1f} {p['compute_ms']:8.1f} {p['comm_ms']:8.1f} "
@@ -388,6 +399,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", type=int, default=0, help="profile N more steps on rank 0")
     p.add_argument("--tol", type=float, default=2e-3, help="relative loss agreement")
     p.add_argument("--csv", default="build/bench_runtime.csv")
+    p.add_argument(
+        "--compare-off",
+        action="store_true",
+        help="also run autopar without the communication pass (autopar-off)",
+    )
     args = p.parse_args(argv)
     args.families = [f for f in args.families.split(",") if f]
     unknown = [f for f in args.families if f not in FAMILIES]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -233,3 +234,20 @@ def test_options_are_frozen_and_normalized() -> None:
     assert options.placements == {"lin.weight": "S(0)"}
     with pytest.raises(AttributeError):
         options.fusion = "triton"  # type: ignore[misc]
+
+
+def test_plan_profile_and_progress() -> None:
+    """`autopar plan --profile` prints every search phase; `--progress` draws the progress
+    line on stderr (and erases it), never on stdout."""
+    from typer.testing import CliRunner
+
+    from autopar.cli import app
+    from autopar.search.progress import PHASES
+
+    args = ["plan", "gpt", "--cluster", "cpu", "--mesh", "4", "--profile", "--progress"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    profile = result.stdout.split("search profile", 1)[1]
+    for name in (*PHASES, "total"):
+        assert re.search(rf"^\s+{re.escape(name)}\s+\d+\.\d\d s$", profile, re.M), name
+    assert "searching: " in result.stderr and "searching: " not in result.stdout

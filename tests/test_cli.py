@@ -185,7 +185,10 @@ def test_bench_csv_with_errors(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["plan", "nope"], "unknown sample 'nope'; known samples: gpt, llama, mlp"),
+        (
+            ["plan", "nope"],
+            "unknown sample 'nope'; known samples: cnn, encdec, gpt, llama, mlp, moe, vit",
+        ),
         (["plan", "nope"], "module:factory"),
         (["plan", "no_such_module_xyz:build"], "cannot import no_such_module_xyz"),
         (["plan", "missing/model.py:build"], "no such file missing/model.py"),
@@ -282,7 +285,7 @@ def test_model_protocol_errors(user_dir: Path) -> None:
     assert "regressor.py defines no function build()" in out
     # sample names resolve beside the autopar package when the cwd has no samples/
     out = invoke("plan", "nope", code=2)
-    assert "known samples: gpt, llama, mlp" in out
+    assert "known samples: cnn, encdec, gpt, llama, mlp, moe, vit" in out
 
 
 def test_load_model_meta_and_real(user_dir: Path) -> None:

@@ -44,8 +44,11 @@ def test_presets_build(name: str, nodes: int) -> None:
 
 def test_dgx_h100_links_per_axis() -> None:
     c = Cluster.preset("dgx-h100", nodes=8, mesh=(8, 8), axis_names=("dp", "tp"))
-    assert c.links[0] == Link(50e9, 10e-6)  # crosses nodes: one 400Gb/s NIC per GPU
-    assert c.links[1] == Link(450e9, 5e-6)  # inside a node: NVLink
+    line = [(lk.bandwidth, lk.latency) for lk in c.links]
+    assert line[0] == (50e9, 10e-6)  # crosses nodes: one 400Gb/s NIC per GPU
+    assert line[1] == (450e9, 5e-6)  # inside a node: NVLink
+    assert c.links[1] == c.fabric.intra  # its efficiency too
+    assert c.links[0].efficiency == c.fabric.inter_efficiency
     assert c.link("tp") is c.links[1]
     # (2, 2) fits in a node; the outer axis of 16 crosses nodes with only 4 concurrent
     # groups per node, so each group gets two of the node's eight NICs.
@@ -61,7 +64,7 @@ def test_a100_and_v100_numbers() -> None:
     assert a100.device.peak_flops_for(torch.bfloat16) == 312e12
     assert a100.device.peak_flops_for("float32") == 19.5e12
     assert a100.device.peak_flops_for(torch.int64) == 19.5e12  # falls back to float32
-    assert a100.links == (Link(25e9, 10e-6), Link(300e9, 5e-6))
+    assert [(lk.bandwidth, lk.latency) for lk in a100.links] == [(25e9, 10e-6), (300e9, 5e-6)]
     p3 = Cluster.preset("p3.16xlarge", nodes=2)
     assert p3.links[0].bandwidth == pytest.approx(25e9 / 8 / 8)  # 25 Gb/s shared by 8 GPUs
     assert p3.device.memory_bytes == 16 * 2**30
@@ -121,6 +124,41 @@ def test_dict_round_trip() -> None:
         assert back.to_dict() == c.to_dict()
     with pytest.raises(ValueError, match="not a Cluster dict"):
         Cluster.from_dict({"mesh_shape": [2]})
+    # a file from before the efficiency figures: every efficiency 1, nothing overlapped
+    old = Cluster.preset("cpu", mesh=(2,)).to_dict()
+    for key in ("matmul_efficiency", "memory_efficiency", "launch_overhead"):
+        del old["device"][key]
+    del old["comm_overlap"]
+    old["links"] = [{"bandwidth": 1e9, "latency": 5e-5}]
+    back = Cluster.from_dict(old)
+    assert back.device.matmul_efficiency == 1.0 and back.links[0].efficiency == 1.0
+    assert back.comm_overlap == 0.0
+
+
+def test_save_and_load(tmp_path) -> None:
+    from dataclasses import replace
+
+    c = replace(Cluster.preset("dgx-h100", nodes=2), comm_overlap=0.5)
+    path = tmp_path / "cluster.json"
+    c.save(path, calibration={"note": "extra keys ride along"})
+    assert Cluster.load(path) == c
+    assert Cluster.load(path).reshaped((4, 4), ("dp", "tp")).comm_overlap == 0.5
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read cluster file"):
+        Cluster.load(tmp_path / "bad.json")
+
+
+def test_efficiency_validation() -> None:
+    with pytest.raises(ValueError, match="Link.efficiency"):
+        Link(1e9, 0.0, 1.5)
+    with pytest.raises(ValueError, match="matmul_efficiency"):
+        DeviceSpec("x", {"float32": 1e12}, 1e9, 1e9, matmul_efficiency=0.0)
+    with pytest.raises(ValueError, match="launch_overhead"):
+        DeviceSpec("x", {"float32": 1e12}, 1e9, 1e9, launch_overhead=-1.0)
+    with pytest.raises(ValueError, match="comm_overlap"):
+        from dataclasses import replace
+
+        replace(Cluster.preset("cpu"), comm_overlap=1.0)
 
 
 def test_local_without_process_group(monkeypatch) -> None:

@@ -2,8 +2,9 @@
 
 * ``import autopar`` leaves DTensor's sharding registry alone (checked in a fresh process);
   ``register_dtensor_rules()`` adds autopar's strategies, idempotently.
-* An op DTensor has no strategy for is planned replicated, with one warning per op and
-  planning call that names the op and the user's source line.
+* An op DTensor knows nothing of fails at planning time with one ValueError naming the op
+  and the user's source line; an op whose DTensor strategies reject the arguments is
+  planned replicated, with one warning per op and planning call naming the same.
 * Only the exceptions DTensor uses to reject arguments mean "no strategy"; any other one
   propagates.
 * ``no_dtensor_redistribute_costs()`` zeroes DTensor's resharding prices inside and
@@ -40,7 +41,7 @@ from autopar._compat import (
 from autopar.capture import capture
 from autopar.cluster import Cluster
 from autopar.passes.strategies import enumerate_strategies, from_dtensor
-from autopar.plan import parse_spec
+from autopar.passes.strategies.from_dtensor import UnsupportedOpError
 
 aten = torch.ops.aten
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,6 +133,8 @@ def test_import_leaves_dtensor_registry_alone() -> None:
             "op_strategy_funcs[aten._scaled_dot_product_flash_attention_for_cpu.default]",
             "op_strategy_funcs[aten._scaled_dot_product_flash_attention_for_cpu_backward."
             "default]",
+            "op_strategy_funcs[autopar.batch_norm_stats.default]",
+            "op_strategy_funcs[autopar.batch_norm_stats_backward.default]",
         ], autopar_entries(once)
         register_dtensor_rules()
         assert snapshot() == once
@@ -147,39 +150,25 @@ def test_import_leaves_dtensor_registry_alone() -> None:
 # ---------------------------------------------------------------- no strategy: replicated
 
 
-def test_op_without_strategy_planned_replicated_warned_once(
-    mesh: DeviceMesh, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_op_without_strategy_fails_at_planning(mesh: DeviceMesh) -> None:
+    """An op DTensor knows nothing of stops enumeration with one ValueError naming the op
+    and the user's line (never a NotImplementedError from every rank at run time)."""
     torch.manual_seed(0)
     captured = capture(Twice(), (torch.randn(4, 8),))
-    nodes = [n for n in captured.gm.graph.nodes if n.target is TWICE]
-    assert len(nodes) == 2
-    for call in range(2):  # one warning per planning call, not per node or per process
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger=from_dtensor.__name__):
-            table = enumerate_strategies(captured.gm, mesh)
-        for node in nodes:
-            assert [str(s) for s in table[node]] == ["(RR) -> RR"], call
-        (record,) = _replicated_records(caplog)
-        message = record.getMessage()
-        assert "autopar_test.twice.default" in message
-        assert f"{Path(__file__).resolve()}:{FIRST_USE}: y = twice(self.a(x))" in message
+    assert len([n for n in captured.gm.graph.nodes if n.target is TWICE]) == 2
+    with pytest.raises(UnsupportedOpError) as info:
+        enumerate_strategies(captured.gm, mesh)
+    message = str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert "autopar_test.twice.default" in message and "no sharding strategy" in message
+    assert f"{Path(__file__).resolve()}:{FIRST_USE}: y = twice(self.a(x))" in message
 
 
-def test_plan_of_op_without_strategy(mesh: DeviceMesh, caplog: pytest.LogCaptureFixture) -> None:
-    """Through the public planner: the op's placements in the plan are replicated."""
+def test_plan_of_op_without_strategy(mesh: DeviceMesh) -> None:
+    """Through the public planner: the same ValueError, before any process runs the op."""
     torch.manual_seed(0)
-    with caplog.at_level(logging.WARNING, logger=from_dtensor.__name__):
-        plan = autopar.plan(
-            Twice(), (torch.randn(4, 8),), cluster=Cluster.preset("cpu", mesh=mesh.shape)
-        )
-    placed = [n for n in plan.nodes if n.op == str(TWICE)]
-    assert len(placed) == 2
-    replicated = (Replicate(), Replicate())
-    for node in placed:
-        specs = [parse_spec(s) for s in (*node.inputs, *node.outputs)]
-        assert specs == [replicated, replicated], node
-    assert len(_replicated_records(caplog)) == 1
+    with pytest.raises(ValueError, match=r"cannot plan autopar_test\.twice\.default"):
+        autopar.plan(Twice(), (torch.randn(4, 8),), cluster=Cluster.preset("cpu", mesh=mesh.shape))
 
 
 def test_only_dtensor_rejections_mean_no_strategy(

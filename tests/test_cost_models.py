@@ -40,19 +40,27 @@ def test_collective_monotonic_and_free_on_size1(kind: str, h100: Cluster) -> Non
 
 def test_collective_formulas(h100: Cluster) -> None:
     link, n, b = h100.link("tp"), 8, 64e6
+    beta = link.bandwidth * link.efficiency
     assert collective_time("all_gather", b, 1, h100) == pytest.approx(
-        (n - 1) * link.latency + (n - 1) / n * b / link.bandwidth
+        (n - 1) * link.latency + (n - 1) / n * b / beta
     )
     assert collective_time(Collective.ALL_TO_ALL, b, 1, h100) == pytest.approx(
-        (n - 1) * link.latency + (n - 1) / n**2 * b / link.bandwidth
+        (n - 1) * link.latency + (n - 1) / n**2 * b / beta
     )
+    for nbytes in (1e3, b, 1e9):  # all-reduce: the cheaper of ring and binary tree
+        ring = 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / beta
+        tree = 2 * math.ceil(math.log2(n)) * link.latency + 2 * nbytes / beta
+        assert collective_time("all_reduce", nbytes, "tp", h100) == pytest.approx(min(ring, tree))
+    small, large = 1e3, 1e9  # the tree wins small messages, the ring large ones
+    ring_small = 2 * (n - 1) * link.latency + 2 * (n - 1) / n * small / beta
+    assert collective_time("all_reduce", small, "tp", h100) < ring_small
     for axis in ("dp", "tp"):
-        ar = collective_time("all_reduce", b, axis, h100)
-        rs_ag = collective_time("reduce_scatter", b, axis, h100) + collective_time(
-            "all_gather", b, axis, h100
+        ar = collective_time("all_reduce", large, axis, h100)
+        rs_ag = collective_time("reduce_scatter", large, axis, h100) + collective_time(
+            "all_gather", large, axis, h100
         )
         assert ar == pytest.approx(rs_ag, rel=1e-12)
-    assert comm.send_recv_time(1e6, link) == pytest.approx(link.latency + 1e6 / link.bandwidth)
+    assert comm.send_recv_time(1e6, link) == pytest.approx(link.latency + 1e6 / beta)
     assert comm.send_recv_time(0, link) == 0.0
     with pytest.raises(ValueError, match="unknown collective 'broadcast'"):
         collective_time("broadcast", 1.0, 0, h100)
@@ -302,14 +310,38 @@ def test_sdpa_and_elementwise_flops() -> None:
     assert compute.node_bytes(emb) == 4 * 8 * 2 + 4 * 8 + 4 * 8 * 2  # rows read, ids, output
 
 
-def test_compute_time_roofline(h100: Cluster) -> None:
-    peak, bw = 989e12, 3.35e12
-    assert compute.compute_time(1e12, 1e6, "bfloat16", h100) == pytest.approx(1e12 / peak)
-    assert compute.compute_time(1e6, 1e9, torch.bfloat16, h100) == pytest.approx(1e9 / bw)
-    assert compute.compute_time(1e12, 0, "float32", h100) == pytest.approx(1e12 / 67e12)
+def test_compute_time_roofline() -> None:
+    from dataclasses import replace
+
+    from autopar.cluster import DeviceSpec
+
+    peak, bw, eff, half, mem_eff, launch = 100e12, 2e12, 0.8, 1e9, 0.9, 4e-6
+    device = DeviceSpec(
+        "x", {"float32": peak / 8, "bfloat16": peak}, 1e9, bw, eff, half, 0.5, mem_eff, launch
+    )
+    c = replace(Cluster.preset("dgx-h100"), device=device)
+    f = 1e12  # one large matmul kernel: the size curve f / (f + half)
+    expected = f / (peak * eff * f / (f + half)) + launch
+    assert compute.compute_time(f, 1e6, "bfloat16", c) == pytest.approx(expected)
+    # three kernels of a third of the work each: each further from peak, three launches
+    third = f / 3
+    per = third / (peak * eff * third / (third + half))
+    assert compute.compute_time(f, 1e6, "bfloat16", c, kernels=3) == pytest.approx(
+        3 * per + 3 * launch
+    )
+    assert compute.compute_time(f, 0, "float32", c) > compute.compute_time(f, 0, "bfloat16", c)
+    mem = 1e9 / (bw * mem_eff) + launch  # memory-bound: bandwidth at memory_efficiency
+    assert compute.compute_time(1e6, 1e9, torch.bfloat16, c, op="memory") == pytest.approx(mem)
+    att = f / (peak * 0.5) + launch
+    assert compute.compute_time(f, 1e6, "bfloat16", c, op="attention") == pytest.approx(att)
     relu = _one_op(torch.ops.aten.relu.default, _meta(1024, 1024, dtype=torch.float32))
-    assert compute.node_time(relu, h100) == pytest.approx(8 * 2**20 / bw)  # read + write
-    assert compute.node_time(relu, h100, fraction=0.5) == pytest.approx(4 * 2**20 / bw)
+    assert compute.op_class(relu) == "memory"
+    assert compute.node_time(relu, c) == pytest.approx(8 * 2**20 / (bw * mem_eff) + launch)
+    assert compute.node_time(relu, c, fraction=0.5) == pytest.approx(
+        4 * 2**20 / (bw * mem_eff) + launch
+    )
+    with pytest.raises(ValueError, match="unknown op class"):
+        compute.compute_time(1.0, 1.0, "float32", c, op="conv")
 
 
 def test_recompute_prices_the_forward_share_of_a_node() -> None:
@@ -332,11 +364,12 @@ def test_recompute_prices_the_forward_share_of_a_node() -> None:
     expected = compute.compute_time(flops / 2, nbytes / 2, "float32", cluster)
     assert ctx.forward_time(addmm, split) == pytest.approx(expected, rel=1e-12)
     # a matmul's backward is twice its forward: node_cost prices 3x the FLOPs, 2x the bytes
-    full = compute.compute_time(3 * flops / 2, 2 * nbytes / 2, "float32", cluster)
+    # in three kernels (forward, grad of the input, grad of the weight)
+    full = compute.compute_time(3 * flops / 2, 2 * nbytes / 2, "float32", cluster, kernels=3)
     assert ctx.node_cost(addmm, split) == pytest.approx(full, rel=1e-12)
     rep = NodeStrategy(((R, R),), ((R, R),))
     relu_fwd = compute.compute_time(
-        compute.node_flops(relu), compute.node_bytes(relu), "float32", cluster
+        compute.node_flops(relu), compute.node_bytes(relu), "float32", cluster, op="memory"
     )
     assert ctx.forward_time(relu, rep) == pytest.approx(relu_fwd, rel=1e-12)
     assert 0 < ctx.forward_time(relu, rep) < ctx.node_cost(relu, rep)

@@ -29,20 +29,28 @@ ROOT = Path(__file__).resolve().parent.parent / "autopar"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("autopar._compat",),
-    ("autopar.plan", "autopar.cluster", "autopar.devices", "autopar.options", "autopar.kernels"),
+    (
+        "autopar.plan",
+        "autopar.cluster",
+        "autopar.hardware",
+        "autopar.devices",
+        "autopar.options",
+        "autopar.kernels",
+    ),
     ("autopar.capture",),
     ("autopar.passes.strategies",),
     ("autopar.cost_models",),
     ("autopar.search",),
     (
         "autopar.passes.lower",
+        "autopar.passes.comm",
         "autopar.passes.fusion",
         "autopar.passes.stages",
         "autopar.passes.recompute",
         "autopar.passes.precision",
     ),
     ("autopar.runtime",),
-    ("autopar.api", "autopar.planning"),
+    ("autopar.api", "autopar.planning", "autopar.calibration"),
     ("autopar.views", "autopar.plan_views", "autopar.testing", "autopar.cli", "autopar.__main__"),
 )
 

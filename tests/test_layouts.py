@@ -123,3 +123,27 @@ def test_megatron_1_7b_row_fits_and_matches_megatron() -> None:
     assert found.peak_memory <= cluster.device.memory_bytes
     assert found.step_time <= megatron * (1 + 1e-9), found.tried
     assert math.isfinite(found.step_time) and found.tried[best.key] == found.step_time
+
+
+def test_degree_walk_does_not_assume_unimodal_step_times() -> None:
+    """A slower degree between two faster ones does not stop the walk; PATIENCE slower
+    degrees in a row do, and infeasible degrees never count."""
+    from autopar.search.layouts import PATIENCE, walk_degrees
+
+    def walk(times: list[float | None]) -> tuple[float | None, list[int]]:
+        degrees = [[Layout(2**i, 1, 1, 8)] for i in range(len(times))]
+        priced: list[int] = []
+
+        def price(layouts):
+            priced.append(layouts[0].pp)
+            t = times[len(priced) - 1]
+            return None if t is None else (t, 0.0, layouts[0])
+
+        found = walk_degrees(degrees, price)
+        return (found[0] if found else None), priced
+
+    assert PATIENCE == 2
+    assert walk([3.0, 3.5, 1.0, 2.0]) == (1.0, [1, 2, 4, 8])  # a bump is walked through
+    assert walk([3.0, None, None, 3.5, 2.0]) == (2.0, [1, 2, 4, 8, 16])
+    assert walk([1.0, 2.0, 3.0, 0.5]) == (1.0, [1, 2, 4])  # two slower in a row: stop
+    assert walk([None, None]) == (None, [1, 2])

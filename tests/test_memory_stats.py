@@ -59,3 +59,28 @@ def test_recategorize_charges_a_storage_made_during_the_step():
     stats = tracker.stats
     assert stats is not None
     assert stats.breakdown["optimizer_state"] == 1024 and stats.breakdown["activations"] == 0
+
+
+def test_a_collective_output_is_held_by_the_program_alone():
+    """The backend's work holds a functional collective's output until it is waited for and
+    its worker thread lets go; under tracking the output comes back held by nothing else,
+    so it is freed (and seen freed) exactly when the program drops it."""
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD.group_name
+        x = torch.ones(4096)  # 16 KiB
+        with track_memory({"activations": [x]}) as tracker:
+            for _ in range(20):
+                out = torch.ops._c10d_functional.all_reduce(x, "sum", group)
+                assert out._use_count() == 1
+                out = torch.ops._c10d_functional.wait_tensor(out)
+                del out
+        assert tracker.stats is not None
+        assert tracker.stats.peak_bytes == 2 * 16384
+    finally:
+        if owned:
+            dist.destroy_process_group()

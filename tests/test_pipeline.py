@@ -44,12 +44,16 @@ def _cases(sample, mesh, names, strategy, schedules):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("sample", ["gpt", "llama"])
 @pytest.mark.parametrize(
     "world,mesh,names,strategy,schedules", RUNS, ids=["pp2", "pp2xdp2", "pp2xtp2", "pp2xdp2xtp2"]
 )
-def test_pipeline_matches_single_device(sample, world, mesh, names, strategy, schedules):
-    cases = _cases(sample, mesh, names, strategy, schedules[sample])
+def test_pipeline_matches_single_device(world, mesh, names, strategy, schedules):
+    """Both samples' schedules on one set of processes per mesh."""
+    cases = [
+        c
+        for sample in ("gpt", "llama")
+        for c in _cases(sample, mesh, names, strategy, schedules[sample])
+    ]
     failures = []
     for res in run_parity(cases, world):
         if res.error:

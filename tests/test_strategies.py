@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from autopar._compat import FakeStore, LocalTensorMode, MaskPartial
+from autopar.capture.batch_norm import BATCH_NORM_DECOMPOSITIONS
 from autopar.passes.strategies import (
     NodeStrategy,
     Spec,
@@ -115,12 +116,34 @@ class MLP(nn.Module):
         return F.mse_loss(self.l2(torch.relu(self.l1(x))), y)
 
 
+class ConvBN(nn.Module):
+    """conv -> BatchNorm (training) -> relu -> pool -> linear: autopar's batch_norm_stats."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn(self.conv(x))).mean((2, 3))
+        return F.cross_entropy(self.head(h), y)
+
+
+class StatsBackward(nn.Module):
+    """BatchNorm statistics' backward on its own (it appears only in backward graphs)."""
+
+    def forward(self, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.autopar.batch_norm_stats_backward(grad, x)
+
+
 def export(model: nn.Module, args: tuple) -> torch.export.ExportedProgram:
-    """As the capture stage does: core ATen, sdpa and nll_loss_forward kept whole."""
+    """As the capture stage does: core ATen, sdpa and nll_loss_forward kept whole, BatchNorm
+    as autopar's per-channel sums."""
     ep = torch.export.export(model, args, strict=False)
     table = torch.export.default_decompositions()
     del table[aten.scaled_dot_product_attention.default]
     table.pop(aten.nll_loss_forward.default, None)
+    table.update(BATCH_NORM_DECOMPOSITIONS)
     return ep.run_decompositions(table)
 
 
@@ -178,6 +201,20 @@ def gqa(mesh: DeviceMesh) -> Case:
 @pytest.fixture(scope="module")
 def llama(mesh: DeviceMesh) -> Case:
     return Case(TinyLlama(), gpt_args(), mesh)
+
+
+@pytest.fixture(scope="module")
+def cnn(mesh: DeviceMesh) -> Case:
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 3, 6, 6, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+    return Case(ConvBN(), (x, y), mesh)
+
+
+@pytest.fixture(scope="module")
+def cnn_backward(mesh: DeviceMesh) -> Case:
+    gen = torch.Generator().manual_seed(0)
+    grad, x = torch.randn(2, 8, generator=gen), torch.randn(8, 8, 6, 6, generator=gen)
+    return Case(StatsBackward(), (grad, x), mesh)
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +284,9 @@ def test_divisibility_heads_loss(gqa: Case) -> None:
     outs = {s.outputs[0] for s in sdpa}
     assert (Shard(1), Replicate()) in outs and (Shard(1), Shard(1)) not in outs
     assert is_valid_spec((Shard(0), Shard(0)), (8,), (2, 2))
-    assert not is_valid_spec((Shard(0), Shard(0)), (6,), (2, 2))  # 6/2 = 3, odd
+    assert not is_valid_spec((Shard(0), Shard(0)), (6,), (2, 2), even=True)  # 6/2 = 3, odd
+    assert is_valid_spec((Shard(0), Shard(0)), (6,), (2, 2))  # torch.chunk: 2, 1, 2, 1
+    assert not is_valid_spec((Shard(0), Shard(0)), (3,), (2, 2))  # 3 rows, 4 shards
     assert not is_valid_spec((Partial("avg"), Replicate()), (4,), (2, 2))
     assert is_valid_spec((Partial("avg"), Replicate()), (), (2, 2))  # a mean loss
     nll = gqa.table[gqa.first("nll_loss_forward")]  # the loss of a batch-sharded input
@@ -365,8 +404,12 @@ def test_dtensor_strategies_numerically(
 def test_autopar_rules_numerically(
     mesh: DeviceMesh, op: str, request: pytest.FixtureRequest
 ) -> None:
-    """Every strategy of every autopar rule, on MHA, enable_gqa and repeated-kv attention."""
-    for case in map(request.getfixturevalue, ("gpt", "gqa", "llama")):
+    """Every strategy of every autopar rule, on MHA, enable_gqa and repeated-kv attention
+    (BatchNorm's statistics on a conv + BatchNorm model)."""
+    cases = ("gpt", "gqa", "llama")
+    if "batch_norm" in op:
+        cases = ("cnn_backward",) if "backward" in op else ("cnn",)
+    for case in map(request.getfixturevalue, cases):
         nodes = [n for n in case.table if str(n.target) == op]
         assert nodes
         for s in case.table[nodes[0]]:

@@ -1,4 +1,17 @@
-"""torch.export of the training forward, roles of placeholders, layer identity, fingerprint."""
+"""torch.export of the training forward, roles of placeholders, layer identity, fingerprint.
+
+Contract of the captured graph: ``gm(*placeholders) -> (loss, *new_buffer_values)``. The
+first output is the scalar loss; then, in the order of ``Captured.mutated_buffers``, the
+new value of every buffer the forward updates in place (BatchNorm's running statistics and
+batch counter, any ``self.buf.copy_(...)``): torch.export's ``graph_signature`` lists them as
+``BUFFER_MUTATION`` outputs, and they are state, not outputs of the model.
+
+Ops whose only job is a runtime check (:data:`RUNTIME_CHECKS`: ``_assert_async``,
+``_assert_scalar``, ``sym_constrain_range*``, ``_assert_tensor_metadata``) are dropped with the
+computation that only feeds them: they check the traced global values (``one_hot``'s index
+range, export's shape guards), which a shard cannot check and the example batch already
+passed. BatchNorm is decomposed into per-channel sums (:mod:`autopar.capture.batch_norm`).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +28,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import InputKind, OutputKind
+
+from autopar.capture.batch_norm import BATCH_NORM_DECOMPOSITIONS
 
 aten = torch.ops.aten
 
@@ -32,8 +47,9 @@ class Captured:
     """The traced training forward and what each placeholder is.
 
     `gm` computes the scalar loss from placeholders named in `params`, `buffers` and
-    `user_inputs`. `params` maps placeholder name -> parameter FQN (first name of a tied
-    parameter); `aliases` lists the other FQNs of tied parameters.
+    `user_inputs`, and returns `(loss, *new values of mutated_buffers)`. `params` maps
+    placeholder name -> parameter FQN (first name of a tied parameter); `aliases` lists the
+    other FQNs of tied parameters.
     """
 
     gm: fx.GraphModule
@@ -43,11 +59,19 @@ class Captured:
     user_inputs: list[str]
     aliases: dict[str, list[str]] = field(default_factory=dict)
     fingerprint: str = ""
+    # buffer placeholder names updated by the forward: output i + 1 is the new value of
+    # mutated_buffers[i] (output 0 is the loss)
+    mutated_buffers: list[str] = field(default_factory=list)
 
     @property
     def loss_node(self) -> fx.Node:
         out = next(n for n in self.gm.graph.nodes if n.op == "output")
         return out.args[0][0] if isinstance(out.args[0], (tuple, list)) else out.args[0]
+
+    def buffer_updates(self) -> dict[str, fx.Node]:
+        """Buffer placeholder name -> the node computing its value after the step."""
+        out = next(n for n in self.gm.graph.nodes if n.op == "output")
+        return dict(zip(self.mutated_buffers, out.args[0][1:], strict=True))
 
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -75,11 +99,12 @@ def capture(model: nn.Module, args: Sequence, loss_fn: Callable | None = None) -
     table = torch.export.default_decompositions()
     for op in KEPT_OPS:
         table.pop(op, None)
+    table.update(BATCH_NORM_DECOMPOSITIONS)
     ep = ep.run_decompositions(table)
     _check_scalar_loss(ep)
     captured = _roles(ep, root)
     _merge_tied(captured, root)
-    _drop_asserts(captured.gm)
+    _drop_runtime_checks(captured.gm)
     _drop_clones(captured.gm)
     _assign_weight_layers(captured.gm)
     if loss_fn is not None:
@@ -123,8 +148,17 @@ def _user_frame(exc: BaseException) -> str:
 
 
 def _check_scalar_loss(ep: ExportedProgram) -> None:
-    outs = [n for n in ep.graph.nodes if n.op == "output"][0].args[0]
-    vals = [o.meta.get("val") for o in outs if isinstance(o, fx.Node)]
+    """One user output, a floating scalar; buffer mutations aside, nothing else."""
+    specs = ep.graph_signature.output_specs
+    outputs = [n for n in ep.graph.nodes if n.op == "output"][0].args[0]
+    mutated_inputs = [s.target for s in specs if s.kind == OutputKind.USER_INPUT_MUTATION]
+    if mutated_inputs:
+        raise CaptureError(
+            f"the model updates its input(s) {mutated_inputs} in place. Fix: compute a new "
+            "tensor instead (x = x + 1, not x.add_(1)); a batch shard cannot be written back."
+        )
+    outs = [o for o, s in zip(outputs, specs, strict=True) if s.kind == OutputKind.USER_OUTPUT]
+    vals = [o.meta.get("val") if isinstance(o, fx.Node) else o for o in outs]
     if len(outs) != 1 or not isinstance(vals[0], torch.Tensor) or vals[0].numel() != 1:
         shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else v for v in vals]
         raise CaptureError(
@@ -155,6 +189,7 @@ def _roles(ep: ExportedProgram, root: nn.Module) -> Captured:
         else:
             raise CaptureError(f"unsupported graph input kind {spec.kind} for {name}")
     gm = ep.graph_module
+    mutated_buffers = _loss_first(ep, {fqn: name for name, fqn in buffers.items()})
     roles = {
         **dict.fromkeys(params, "param"),
         **dict.fromkeys(buffers, "buffer"),
@@ -165,8 +200,29 @@ def _roles(ep: ExportedProgram, root: nn.Module) -> Captured:
         if node.op == "placeholder":
             node.meta["autopar_role"] = roles[node.name]
     return Captured(
-        gm=gm, params=params, buffers=buffers, constants=constants, user_inputs=user_inputs
+        gm=gm,
+        params=params,
+        buffers=buffers,
+        constants=constants,
+        user_inputs=user_inputs,
+        mutated_buffers=mutated_buffers,
     )
+
+
+def _loss_first(ep: ExportedProgram, placeholder_of: dict[str, str]) -> list[str]:
+    """Reorder the graph's outputs to ``(loss, *new buffer values)``; returns the buffer
+    placeholder names in that order (export puts the mutations first)."""
+    out = next(n for n in ep.graph_module.graph.nodes if n.op == "output")
+    loss, updates, names = None, [], []
+    for value, spec in zip(out.args[0], ep.graph_signature.output_specs, strict=True):
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            updates.append(value)
+            names.append(placeholder_of[spec.target])
+        else:
+            loss = value
+    out.args = ((loss, *updates),)
+    ep.graph_module.recompile()
+    return names
 
 
 def _merge_tied(captured: Captured, root: nn.Module) -> None:
@@ -188,18 +244,30 @@ def _merge_tied(captured: Captured, root: nn.Module) -> None:
     captured.gm.recompile()
 
 
-ASSERT_OPS = (
-    aten._assert_tensor_metadata.default,
+RUNTIME_CHECKS = (
+    aten._assert_async.default,
+    aten._assert_async.msg,
     aten._assert_scalar.default,
+    aten._assert_tensor_metadata.default,
+    aten.sym_constrain_range.default,
     aten.sym_constrain_range_for_size.default,
+    aten._functional_assert_async.msg,
+    aten._functional_sym_constrain_range.default,
+    aten._functional_sym_constrain_range_for_size.default,
+    aten._functional_assert_scalar.default,
 )
 
 
-def _drop_asserts(gm: fx.GraphModule) -> None:
-    """Export's metadata assertions check the traced (global) shapes: meaningless per shard."""
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in ASSERT_OPS and not node.users:
+def _drop_runtime_checks(gm: fx.GraphModule) -> None:
+    """Drop the runtime checks and then every node left without a use (the ``any``/``ge``
+    chains that only computed a checked condition). Export's metadata assertions and
+    ``one_hot``'s index-range check test the traced global values: meaningless per shard,
+    and DTensor has no strategy for them. The graph is functional (mutations are outputs),
+    so a node without users computes nothing the step needs."""
+    for node in reversed(list(gm.graph.nodes)):  # a check's token users go first
+        if node.op == "call_function" and node.target in RUNTIME_CHECKS and not node.users:
             gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
     gm.recompile()
 
 

@@ -30,6 +30,9 @@ class Template:
     captured: Captured
     total_layers: int | None = None  # blocks of the full model (None: nothing was cut)
     weights: dict[str, float] = field(default_factory=dict)  # layer name -> blocks it stands for
+    # what the search solved on this template, by problem (`autopar.search.template_plan`):
+    # the layout search's winner is not solved again for the final plan
+    solved: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
 
 
 def block_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:

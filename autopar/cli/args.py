@@ -76,6 +76,8 @@ def parse_schedule(name: str | None) -> str | None:
 
 
 def make_cluster(preset: str, nodes: int, mesh: str | None, axis_names: str | None) -> Cluster:
+    if preset.endswith(".json"):
+        return _cluster_file(preset, nodes, mesh, axis_names)
     if preset not in PRESETS:
         fail(f"unknown cluster preset {preset!r}; known presets: {', '.join(sorted(PRESETS))}")
     try:
@@ -87,6 +89,23 @@ def make_cluster(preset: str, nodes: int, mesh: str | None, axis_names: str | No
         )
     except ValueError as exc:
         fail(str(exc))
+
+
+def _cluster_file(path: str, nodes: int, mesh: str | None, axis_names: str | None) -> Cluster:
+    """A cluster file (`autopar calibrate -o`, `Cluster.save`), re-meshed by `--mesh`."""
+    if nodes != 1:
+        fail(f"--nodes does not apply to a cluster file ({path}): it describes its machine")
+    try:
+        cluster = Cluster.load(path)
+        if mesh:
+            shape = parse_mesh(mesh)
+            names = parse_names(axis_names) or tuple(f"axis{i}" for i in range(len(shape)))
+            cluster = cluster.reshaped(shape, names)
+        elif axis_names:
+            cluster = cluster.reshaped(cluster.mesh_shape, parse_names(axis_names))
+    except ValueError as exc:
+        fail(str(exc))
+    return cluster
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +203,12 @@ ConfigOpt = Annotated[
     typer.Option("--config", "-c", help="config name passed to the factory (samples: tiny)"),
 ]
 BatchOpt = Annotated[int, typer.Option("--batch-size", "-b", min=1, help="global batch size")]
-ClusterOpt = Annotated[str, typer.Option("--cluster", help="cluster preset: " + ", ".join(PRESETS))]
+ClusterOpt = Annotated[
+    str,
+    typer.Option(
+        "--cluster", help="cluster preset (" + ", ".join(PRESETS) + ") or a cluster.json file"
+    ),
+]
 NodesOpt = Annotated[int, typer.Option("--nodes", min=1, help="number of nodes")]
 BackendOpt = Annotated[
     str | None,

@@ -46,6 +46,7 @@ from autopar.cli.args import (
     parse_schedule,
     parse_strategy,
 )
+from autopar.cli.progress import search_progress
 from autopar.cli.sources import ModelSource, load_model
 from autopar.cluster import Cluster
 from autopar.plan import Plan
@@ -108,6 +109,16 @@ def plan_cmd(
     shard_optimizer: ShardOptimizerOpt = False,
     shard_gradients: ShardGradientsOpt = False,
     activation_checkpointing: CheckpointingOpt = "auto",
+    profile: Annotated[
+        bool, typer.Option("--profile", help="print the seconds each search phase took")
+    ] = False,
+    progress: Annotated[
+        bool | None,
+        typer.Option(
+            "--progress/--no-progress",
+            help="show the search's progress on stderr (default: when it is a terminal)",
+        ),
+    ] = None,
 ) -> None:
     """Search a plan for MODEL on a cluster preset (no processes; built on the meta device)."""
     source = parse_model(model, config)
@@ -119,7 +130,10 @@ def plan_cmd(
         precision = PrecisionArgs(
             mixed_precision, shard_optimizer, shard_gradients, activation_checkpointing
         )
-        result = search(source, config, batch_size, the_cluster, roles, time_limit, pipe, precision)
+        with search_progress(progress, profile):
+            result = search(
+                source, config, batch_size, the_cluster, roles, time_limit, pipe, precision
+            )
     except Exception as exc:  # the search's errors are messages for the user
         fail(f"planning failed: {exc}", code=1)
     typer.echo(summary(result))
@@ -268,6 +282,39 @@ def bench_cmd(
     if csv_path is not None:
         write_bench_csv(csv_path, rows, base)
         typer.echo(f"wrote {csv_path}")
+
+
+@app.command("calibrate")
+def calibrate_cmd(
+    nproc: Annotated[int, typer.Option("--nproc", min=1, help="local processes")] = 4,
+    output: Annotated[Path, typer.Option("--output", "-o", help="cluster file to write")] = Path(
+        "cluster.json"
+    ),
+    mesh: MeshOpt = None,
+    axis_names: NamesOpt = None,
+    backend: BackendOpt = None,
+    sizes: Annotated[
+        str | None, typer.Option("--sizes", help="tiny|quick|gpu (default: by device)")
+    ] = None,
+) -> None:
+    """Measure this machine (matmul, memory-bound ops, every collective on every mesh axis,
+    send/recv) on NPROC processes and write a cluster file for `--cluster`."""
+    from autopar.calibration import calibrate, write_calibration
+
+    shape = parse_mesh(mesh) if mesh else (nproc,)
+    if math.prod(shape) != nproc:
+        fail(f"--mesh {mesh} has {math.prod(shape)} devices but --nproc is {nproc}")
+    names = parse_names(axis_names) or (
+        ("dp",) if len(shape) == 1 else default_axis_names(len(shape))
+    )
+    try:
+        cluster, measured = calibrate(
+            nproc, shape, names, backend=parse_backend(backend, nproc), sizes=sizes
+        )
+    except ValueError as exc:
+        fail(str(exc))
+    write_calibration(cluster, measured, output)
+    typer.echo(f"{cluster}\nwrote {output}")
 
 
 def main() -> None:

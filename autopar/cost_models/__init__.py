@@ -1,10 +1,11 @@
 """Cost models: pure functions returning seconds or bytes.
 
+``buckets`` (bucketed gradient reductions and overlap, as `passes.comm` runs them),
 ``compute`` (roofline FLOPs/bytes of ATen nodes), ``comm`` (alpha-beta collectives and
 DTensor redistributions per mesh axis), ``memory`` (local shard sizes, training state).
 """
 
-from autopar.cost_models import comm, compute, memory
+from autopar.cost_models import buckets, comm, compute, memory
 from autopar.cost_models.comm import (
     Collective,
     collective_time,
@@ -23,6 +24,7 @@ from autopar.cost_models.memory import local_numel, local_shape, param_state_byt
 __all__ = [
     "Collective",
     "backward_factor",
+    "buckets",
     "collective_time",
     "comm",
     "compute",

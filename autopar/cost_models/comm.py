@@ -1,21 +1,37 @@
-"""Communication cost model: alpha-beta per mesh axis, ring/pairwise collectives.
+"""Communication cost model: alpha-beta per mesh axis, ring/tree/pairwise collectives.
 
 Collectives (``collective_time``)
 ---------------------------------
 For a collective over mesh axis ``a`` of size ``n`` with link ``(alpha = latency,
-beta = bus bandwidth)`` and ``B`` = ``nbytes``, the bytes of the tensor *unsharded over this
-axis* (the all-reduce input, the all-gather output, the reduce-scatter input, the
-all-to-all's global tensor over this axis)::
+beta = bus bandwidth = Link.bandwidth * Link.efficiency)`` and ``B`` = ``nbytes``, the bytes
+of the tensor *unsharded over this axis* (the all-reduce input, the all-gather output, the
+reduce-scatter input, the all-to-all's global tensor over this axis)::
 
-    all_reduce      2(n-1) alpha + 2(n-1)/n   * B / beta     (ring: reduce-scatter + all-gather)
+    all_reduce       min(ring, tree)
+      ring          2(n-1) alpha + 2(n-1)/n   * B / beta     (reduce-scatter + all-gather)
+      tree     2 ceil(log2 n) alpha + 2       * B / beta     (reduce up, broadcast down a
+                                                              binary tree: small messages)
     all_gather       (n-1) alpha +  (n-1)/n   * B / beta     (ring)
     reduce_scatter   (n-1) alpha +  (n-1)/n   * B / beta     (ring)
     all_to_all       (n-1) alpha +  (n-1)/n^2 * B / beta     (pairwise: each device holds B/n
                                                               and sends (n-1)/n of it)
 
-``n == 1`` or ``B == 0`` cost 0. These are NCCL's "bus bandwidth" conventions, so ``beta`` is
-what nccl-tests report as busbw. ``all_reduce == reduce_scatter + all_gather`` holds exactly
-in this model. Point-to-point: ``send_recv_time = alpha + B / beta``.
+On a process group whose tensors live on the CPU (gloo), DTensor has no all-to-all and runs
+``Shard(i) -> Shard(j)`` as an all-gather followed by a local chunk (it logs "CPU process
+group does not support alltoall yet"), so there ``all_to_all`` is priced with the all-gather
+factors (``volume_kind``).
+
+``n == 1`` or ``B == 0`` cost 0. The volume factors are NCCL's "bus bandwidth" conventions,
+so ``beta`` is what nccl-tests report as busbw: the link's line rate times the efficiency
+the presets take from published nccl-tests runs (or ``autopar calibrate`` measures). As
+NCCL's tuner does, an all-reduce takes the cheaper algorithm, so it never costs more than a
+reduce-scatter plus an all-gather of the same bytes. ``alpha`` is the per-step (per
+message) latency. Point-to-point: ``send_recv_time = alpha + B / beta``.
+
+Overlap (``exposed``): a uniform fraction ``1 - Cluster.comm_overlap`` of a collective's time,
+kept for cluster files that set it; the search does not apply it. What the runtime overlaps
+(bucketed gradient reductions, prefetched FSDP gathers: `autopar.passes.comm`) is priced
+from that schedule in ``autopar.cost_models.buckets``.
 
 Redistribution (``redistribute_time``, ``redistribute_steps``)
 --------------------------------------------------------------
@@ -50,15 +66,20 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.cluster import Cluster, Link
 from autopar.cost_models.memory import local_numel, shard_dim
+from autopar.devices import device_for_backend
 
 __all__ = [
     "Collective",
     "collective_time",
+    "exposed",
+    "redistribute_parts",
     "redistribute_plan",
     "redistribute_steps",
     "redistribute_time",
+    "ring_factors",
     "send_recv_time",
     "transition_kind",
+    "volume_kind",
 ]
 
 
@@ -75,8 +96,8 @@ class Collective(str, Enum):
         return self.value
 
 
-def _factors(kind: Collective, n: int) -> tuple[float, float]:
-    """(latency steps, volume factor on B) of ``kind`` over ``n`` devices."""
+def ring_factors(kind: Collective, n: int) -> tuple[float, float]:
+    """(latency steps, volume factor on B) of ``kind``'s ring/pairwise algorithm over ``n``."""
     if kind is Collective.ALL_REDUCE:
         return 2.0 * (n - 1), 2.0 * (n - 1) / n
     if kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
@@ -84,6 +105,14 @@ def _factors(kind: Collective, n: int) -> tuple[float, float]:
     if kind is Collective.ALL_TO_ALL:
         return float(n - 1), (n - 1) / (n * n)
     return 0.0, 0.0
+
+
+def volume_kind(kind: Collective, backend: str) -> Collective:
+    """The collective whose factors price ``kind`` on ``backend``: an all-to-all runs as an
+    all-gather (plus a local chunk) on CPU process groups (module docstring)."""
+    if kind is Collective.ALL_TO_ALL and device_for_backend(backend) == "cpu":
+        return Collective.ALL_GATHER
+    return kind
 
 
 def collective_time(
@@ -99,15 +128,25 @@ def collective_time(
     if n == 1 or nbytes <= 0 or kind is Collective.LOCAL:
         return 0.0
     link = cluster.link(axis)
-    steps, volume = _factors(kind, n)
-    return steps * link.latency + volume * float(nbytes) / link.bandwidth
+    steps, volume = ring_factors(volume_kind(kind, cluster.backend), n)
+    beta = link.bus_bandwidth
+    ring = steps * link.latency + volume * float(nbytes) / beta
+    if kind is not Collective.ALL_REDUCE:
+        return ring
+    tree = 2.0 * math.ceil(math.log2(n)) * link.latency + 2.0 * float(nbytes) / beta
+    return min(ring, tree)
 
 
 def send_recv_time(nbytes: float, link: Link) -> float:
     """Seconds for one point-to-point transfer of ``nbytes`` over ``link`` (0 bytes: free)."""
     if nbytes <= 0:
         return 0.0
-    return link.latency + float(nbytes) / link.bandwidth
+    return link.latency + float(nbytes) / link.bus_bandwidth
+
+
+def exposed(seconds: float, cluster: Cluster) -> float:
+    """The part of an overlappable collective's ``seconds`` the step waits for."""
+    return seconds * (1.0 - cluster.comm_overlap)
 
 
 def transition_kind(cur: Any, tgt: Any) -> Collective | None:
@@ -185,6 +224,29 @@ def redistribute_steps(
     return out
 
 
+def redistribute_parts(
+    src: Sequence[Any],
+    dst: Sequence[Any],
+    shape: Sequence[int],
+    itemsize: int,
+    cluster: Cluster,
+) -> list[tuple[int, Collective, float]] | None:
+    """``(axis, kind, B bytes)`` per collective of ``src -> dst`` in execution order (free
+    local steps left out); ``None`` when DTensor cannot perform the transition."""
+    out = []
+    for axis, before, cur, tgt in redistribute_plan(src, dst, cluster.mesh_shape):
+        kind = transition_kind(cur, tgt)
+        if kind is None:
+            return None
+        if kind is Collective.LOCAL:
+            continue
+        full_over_axis = list(before)
+        full_over_axis[axis] = Replicate()
+        nbytes = local_numel(shape, full_over_axis, cluster.mesh_shape) * itemsize
+        out.append((axis, kind, float(nbytes)))
+    return out
+
+
 def redistribute_time(
     src: Sequence[Any],
     dst: Sequence[Any],
@@ -196,15 +258,7 @@ def redistribute_time(
 
     Returns ``math.inf`` when DTensor cannot perform the transition (callers forbid the pair).
     """
-    total = 0.0
-    for axis, before, cur, tgt in redistribute_plan(src, dst, cluster.mesh_shape):
-        kind = transition_kind(cur, tgt)
-        if kind is None:
-            return math.inf
-        if kind is Collective.LOCAL:
-            continue
-        full_over_axis = list(before)
-        full_over_axis[axis] = Replicate()
-        nbytes = local_numel(shape, full_over_axis, cluster.mesh_shape) * itemsize
-        total += collective_time(kind, nbytes, axis, cluster)
-    return total
+    parts = redistribute_parts(src, dst, shape, itemsize, cluster)
+    if parts is None:
+        return math.inf
+    return sum(collective_time(kind, nbytes, axis, cluster) for axis, kind, nbytes in parts)

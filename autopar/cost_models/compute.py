@@ -17,7 +17,19 @@ Bytes (``node_bytes``): bytes of all tensor inputs + outputs (each read or writt
 Gathers (embedding, index_select, index, gather) read only the rows they output, so their
 table input is charged at the output's size.
 
-Time (``compute_time``): roofline ``max(flops / peak_flops[dtype], bytes / mem_bandwidth)``.
+Time (``compute_time``): a roofline at the rates kernels achieve, plus launches::
+
+    time = max(flops / (peak_flops[dtype] * eff), bytes / (mem_bandwidth * mem_eff))
+           + kernels * launch_overhead
+
+``eff`` depends on the op class (``op_class``): matmuls follow the size curve
+``eff(f) = matmul_efficiency * f / (f + matmul_half_flops)`` in the FLOPs ``f`` of one kernel
+(small matmuls are far from peak; the curve is a fixed ``half_flops / (peak * eff)`` seconds
+per kernel added to the large-matmul rate), fused attention runs at
+``attention_efficiency``, and memory-bound ops (``"memory"``: everything else, whose
+arithmetic intensity puts them on the bandwidth side; their FLOP side stays at peak) stream
+at ``memory_efficiency`` of the HBM bandwidth, as every class's bytes do. The figures live on ``DeviceSpec`` (presets: published measurements;
+``autopar calibrate``: this machine's). All efficiencies are in (0, 1].
 ``backward_factor``: backward FLOPs / forward FLOPs: 2 for matmuls and convolutions (grad of
 input and of weight), 2.5 for attention (flash backward recomputes ``QK^T``: 5 matmuls vs 2),
 1 otherwise.
@@ -37,8 +49,12 @@ from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 from autopar.cluster import Cluster
 
 __all__ = [
+    "OP_CLASSES",
     "backward_factor",
+    "compute_efficiency",
     "compute_time",
+    "op_class",
+    "training_kernels",
     "node_bytes",
     "node_dtype",
     "node_flops",
@@ -158,18 +174,76 @@ def node_dtype(node: Node) -> torch.dtype:
     return torch.float32
 
 
-def compute_time(flops: float, nbytes: float, dtype: str | torch.dtype, cluster: Cluster) -> float:
-    """Roofline seconds: ``max(flops / peak_flops[dtype], nbytes / memory_bandwidth)``."""
+OP_CLASSES = ("matmul", "attention", "memory")
+
+
+def op_class(node: Node) -> str:
+    """``"matmul"``, ``"attention"`` or ``"memory"`` (every other op: bandwidth-bound)."""
+    packet = _packet(node)
+    if packet in _SDPA or packet in _SDPA_FUSED:
+        return "attention"
+    return "matmul" if packet in _MATMUL or packet in flop_registry else "memory"
+
+
+def training_kernels(node: Node) -> int:
+    """Kernels a node runs in forward + backward: a matmul's backward runs two (grad of the
+    input and of the weight), attention's and every other op's one."""
+    return 3 if _packet(node) in _MATMUL else 2
+
+
+def compute_efficiency(flops_per_kernel: float, op: str, cluster: Cluster) -> float:
+    """Achieved fraction of peak FLOP/s of one ``op``-class kernel of that size, in (0, 1]."""
     device = cluster.device
-    return max(flops / device.peak_flops_for(dtype), nbytes / device.memory_bandwidth)
+    if op == "attention":
+        return device.attention_efficiency
+    if op not in OP_CLASSES:
+        raise ValueError(f"unknown op class {op!r}; expected one of {OP_CLASSES}")
+    if op == "memory":
+        return 1.0  # priced by its bytes: the FLOP side only bounds it from below
+    f = max(float(flops_per_kernel), 0.0)
+    half = device.matmul_half_flops
+    size = f / (f + half) if half > 0 else 1.0
+    # a kernel too small to measure still makes progress: floor far below any real figure
+    return max(device.matmul_efficiency * size, 1e-9)
+
+
+def compute_time(
+    flops: float,
+    nbytes: float,
+    dtype: str | torch.dtype,
+    cluster: Cluster,
+    *,
+    op: str = "matmul",
+    kernels: int = 1,
+) -> float:
+    """Seconds of ``kernels`` kernels of class ``op`` doing ``flops`` and moving ``nbytes``
+    in total (see the module docstring); 0 work costs nothing."""
+    if flops <= 0 and nbytes <= 0:
+        return 0.0
+    device = cluster.device
+    k = max(int(kernels), 1)
+    eff = compute_efficiency(flops / k, op, cluster)
+    return (
+        max(
+            flops / (device.peak_flops_for(dtype) * eff),
+            nbytes / (device.memory_bandwidth * device.memory_efficiency),
+        )
+        + k * device.launch_overhead
+    )
 
 
 def node_time(node: Node, cluster: Cluster, *, fraction: float = 1.0) -> float:
-    """Roofline seconds of a node doing ``fraction`` of its work (e.g. ``1/shards``)."""
+    """Forward seconds of a node doing ``fraction`` of its work (e.g. ``1/shards``)."""
     if not 0 <= fraction <= 1 or math.isnan(fraction):
         raise ValueError(f"fraction must be in [0, 1], got {fraction}")
+    if _is_free(node):
+        return 0.0
     return compute_time(
-        node_flops(node) * fraction, node_bytes(node) * fraction, node_dtype(node), cluster
+        node_flops(node) * fraction,
+        node_bytes(node) * fraction,
+        node_dtype(node),
+        cluster,
+        op=op_class(node),
     )
 
 

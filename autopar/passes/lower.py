@@ -38,6 +38,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from autopar._compat import local_tensor, make_fx, tree_flatten, tree_unflatten
 from autopar.capture import Captured
 from autopar.capture.export import layer_of
+from autopar.passes.comm import DEFAULT as DEFAULT_COMM
+from autopar.passes.comm import CommOptions, optimize_comm
 from autopar.passes.precision import ParamBoundary
 from autopar.passes.recompute import backward_phase, recompute_activations, tag_layer
 from autopar.passes.strategies import register_dtensor_rules
@@ -48,7 +50,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LocalStep:
-    """A rank's training step: `gm(*params, *buffers, *inputs) -> (loss, *param_grads)`."""
+    """A rank's training step: `gm(*params, *buffers, *inputs) -> (loss, *param_grads,
+    *new_buffers)`, the last `len(buffer_updates)` outputs being this rank's local values
+    of the buffers the forward updates (`Captured.mutated_buffers`) in their storage spec."""
 
     gm: fx.GraphModule
     param_names: list[str]  # placeholder names, in the order gm takes them
@@ -56,6 +60,7 @@ class LocalStep:
     input_names: list[str]
     # after the inputs: flat master shards (ZeRO), the loss scale (`passes.precision`)
     extra_names: list[str] = field(default_factory=list)
+    buffer_updates: list[str] = field(default_factory=list)  # the trailing outputs
 
 
 class PlacedInterpreter(fx.Interpreter):
@@ -140,7 +145,13 @@ class _ShardSafeView(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return torch.ops.aten.view.default(_contiguous_local(grad), ctx.in_shape), None
+        grad = _contiguous_local(grad)
+        if isinstance(grad, DTensor) and not grad.is_contiguous():
+            try:  # a gradient laid out otherwise globally (einsum's bmm) may still view
+                return torch.ops.aten.view.default(grad, ctx.in_shape), None
+            except RuntimeError:  # DTensor's propagation refuses: copy to a contiguous one
+                grad = torch.ops.aten._to_copy.default(grad, memory_format=torch.contiguous_format)
+        return torch.ops.aten.view.default(grad, ctx.in_shape), None
 
 
 def _wrap(local: torch.Tensor, spec, shape: Sequence[int], mesh: DeviceMesh) -> DTensor:
@@ -163,12 +174,18 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def lower_plan(
-    captured: Captured, plan: Plan, mesh: DeviceMesh, example_locals: dict[str, torch.Tensor]
+    captured: Captured,
+    plan: Plan,
+    mesh: DeviceMesh,
+    example_locals: dict[str, torch.Tensor],
+    comm: CommOptions = DEFAULT_COMM,
 ) -> LocalStep:
     """Trace the planned step into a per-rank graph of local ops and functional collectives.
 
     `example_locals` maps every placeholder name to this rank's local tensor (parameters
     with requires_grad); only shapes and dtypes are used (tracing runs on fake tensors).
+    `comm`: how `passes.comm` buckets the gradient reductions and overlaps the collectives
+    (`passes.comm.OFF`: the program as traced, one collective per tensor waited at once).
     """
     tensors = {t.name: t for t in plan.tensors}
     params = [n for n in captured.params if n in example_locals]
@@ -190,11 +207,15 @@ def lower_plan(
                 env[name] = boundary.wrap(local, parse_spec(t.spec), t.shape, mesh, flat)
             else:
                 env[name] = _wrap(local, parse_spec(t.spec), t.shape, mesh)
-        loss = interp.run(
+        outs = interp.run(
             *[env[ph.name] for ph in captured.placeholders()], enable_io_processing=False
         )
-        loss = loss[0] if isinstance(loss, (tuple, list)) else loss
+        loss, *updates = outs if isinstance(outs, (tuple, list)) else (outs,)
         loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        new_buffers = [
+            _stored(v, parse_spec(tensors[name].spec), mesh)
+            for name, v in zip(captured.mutated_buffers, updates, strict=True)
+        ]
         targets = boundary.grad_targets(given[: len(params)], extra)
         with backward_phase():
             grads = torch.autograd.grad(
@@ -203,15 +224,31 @@ def lower_plan(
         grads = [
             torch.zeros_like(p) if g is None else g for g, p in zip(grads, targets, strict=True)
         ]
-        return (loss.detach(), *grads)
+        return (loss.detach(), *grads, *new_buffers)
 
     examples = [example_locals[n] for n in order + extras]
     with fx_traceback.preserve_node_meta():
         gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=False)(*examples)
     gm = recompute_activations(gm, plan.memory, _placeholder_names(gm, order, inputs))
+    optimize_comm(gm, comm)
     return LocalStep(
-        gm=gm, param_names=params, buffer_names=buffers, input_names=inputs, extra_names=extras
+        gm=gm,
+        param_names=params,
+        buffer_names=buffers,
+        input_names=inputs,
+        extra_names=extras,
+        buffer_updates=list(captured.mutated_buffers),
     )
+
+
+def _stored(value: torch.Tensor, spec, mesh: DeviceMesh) -> torch.Tensor:
+    """A buffer's new value as this rank stores it: redistributed (detached) from the
+    placement its node was planned with to the buffer's storage placement."""
+    value = value.detach()
+    if not isinstance(value, DTensor):  # computed from constants alone: whole everywhere
+        replicated = tuple(Replicate() for _ in range(mesh.ndim))
+        value = DTensor.from_local(value, mesh, replicated, run_check=False)
+    return local_tensor(value.redistribute(mesh, spec))
 
 
 def _placeholder_names(gm: fx.GraphModule, order: list[str], names: list[str]) -> list[str]:

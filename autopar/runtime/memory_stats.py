@@ -7,10 +7,11 @@ heap, which is what the plan's memory prediction describes.
 How: a dispatch mode sees every op's outputs. A storage seen for the first time is charged
 its bytes to a category and released when its Python object is collected (storages keep
 one Python object while alive, so a `weakref.finalize` fires exactly when the memory is
-freed). Tensors alive before the step (parameters, buffers, optimizer state, gradients of
-the previous step) are charged to the category the caller names. Each allocation and free
-is an event on one clock; the breakdown at the peak is rebuilt from those events after the
-step, so tracking costs O(1) per op.
+freed; a collective's buffers are released by the backend as soon as the program drops
+them, see `_settle`). Tensors alive before the step (parameters, buffers, optimizer
+state, gradients of the previous step) are charged to the category the caller names. Each
+allocation and free is an event on one clock; the breakdown at the peak is rebuilt from
+those events after the step, so tracking costs O(1) per op.
 
 Categories follow the plan's memory terms: parameters, gradients, optimizer_state,
 buffers, activations (everything the step computes and does not return as a gradient),
@@ -19,6 +20,7 @@ communication (outputs of collectives).
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -99,6 +101,8 @@ class _LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if is_collective_op(func):
+            _settle(func, args, out)
         category = "communication" if is_collective_op(func) else "activations"
         for t in _tensors(out):
             self.charge(t, category)
@@ -154,6 +158,28 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[tor
     if optimizer is None:
         return []
     return [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+def _settle(func, args: tuple, out: object) -> None:
+    """A functional collective's fresh outputs, waited for at once and held by nothing but
+    the program: the backend's worker thread keeps its work (and the work's tensors) for a
+    moment after completing it, so without this a buffer the program already dropped is
+    freed at a random later time. The tracked step waits for that release (bounded);
+    the program's own `wait_tensor` then finds the work done. Allocations are unchanged:
+    the output exists from the collective's issue to its last reader either way."""
+    if func.namespace != "_c10d_functional" or func is _WAIT:
+        return
+    inputs = {id(t.untyped_storage()) for t in _tensors(args)}
+    fresh = [t for t in _tensors(out) if id(t.untyped_storage()) not in inputs]
+    for t in fresh:
+        _WAIT(t)
+    deadline = time.monotonic() + _SETTLE_SECONDS
+    while any(t._use_count() > 1 for t in fresh) and time.monotonic() < deadline:
+        time.sleep(0)
+
+
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+_SETTLE_SECONDS = 1.0
 
 
 def _tensors(out: object) -> Iterator[torch.Tensor]:

@@ -24,7 +24,11 @@ compute dtype bytes `c`, `k` optimizer state tensors, this rank holds:
 these. The ZeRO update: the optimizer steps the flat masters, then every rank all-gathers
 them over the replicated axes into the working parameters (in the compute dtype under the
 policy: a bf16 all-gather), so the all-reduce of plain data parallelism becomes a
-reduce-scatter (in backward) + all-gather (after the step) of the same volume.
+reduce-scatter (in backward) + all-gather (after the step) of the same volume. A pipeline
+rank (`runtime.pipeline_model`) uses the same state over its stages' shards: its stage
+modules hold the working parameters, the microbatches accumulate their full-size gradients
+(ZeRO-2 too), and `runtime.pipeline.scatter_gradients` reduce-scatters them into the flat
+gradients after the last backward (ZeRO-2 then frees the full-size ones).
 
 Loss scaling (`plan.memory.loss_scaling`, fp16): as `torch.amp.GradScaler`: the program
 multiplies the loss (in fp32) by `scale` (2**15 at first: the largest power of two an

@@ -17,6 +17,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.capture import Captured
+from autopar.passes.comm import DEFAULT as DEFAULT_COMM
+from autopar.passes.comm import CommOptions
 from autopar.passes.lower import LocalStep, lower_plan
 from autopar.passes.precision import ParamBoundary
 from autopar.plan import Plan, parse_spec
@@ -97,7 +99,10 @@ class ParallelModel(TrainingSteps):
         plan: Plan,
         mesh: DeviceMesh,
         optimizer: OptimizerFactory | None = None,
+        comm: CommOptions = DEFAULT_COMM,
     ):
+        """`comm`: how the program's collectives are bucketed and overlapped (`passes.comm`;
+        `passes.comm.OFF` runs them as traced)."""
         self.plan = plan
         self.mesh = mesh
         self.captured = captured
@@ -122,7 +127,7 @@ class ParallelModel(TrainingSteps):
             **{n: self._input_example(n) for n in captured.user_inputs},
             **self.state.examples(ParamBoundary.of(plan).extra_names(list(captured.params))),
         }
-        self.program: LocalStep = lower_plan(captured, plan, mesh, example)
+        self.program: LocalStep = lower_plan(captured, plan, mesh, example, comm)
         # what each step runs: the traced program, or with fusion="inductor" the program
         # handed to torch.compile (compiled on the first call)
         self.step_program: Callable = self.program.gm
@@ -144,6 +149,11 @@ class ParallelModel(TrainingSteps):
         params, extras = self.state.program_inputs(self.program.param_names)
         buffers = [self.local_buffers[n] for n in self.program.buffer_names]
         loss, *grads = self.step_program(*params, *buffers, *inputs, *extras)
+        updated = self.program.buffer_updates
+        if updated:  # buffers the forward updates (BatchNorm statistics): the new values
+            grads, new = grads[: -len(updated)], grads[-len(updated) :]
+            for name, value in zip(updated, new, strict=True):
+                self.local_buffers[name] = value
         self.state.set_grads(self.program.param_names, grads)
         return loss
 

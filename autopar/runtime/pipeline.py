@@ -14,23 +14,29 @@ Gradients are synchronized once per step: a stage program's backward leaves each
 parameter's gradient unreduced on the axes where the parameter is replicated and its
 gradient partial (`_DeferGradSync`), the microbatches' local gradients accumulate, and
 after the last backward `sync_gradients` reduces them, one flat buffer per (axes, reduce
-op, dtype) (what the planner prices: one gradient reduction per step).
+op, dtype) (what the planner prices: one gradient reduction per step). Under ZeRO
+(`shard_optimizer`) `scatter_gradients` reduce-scatters them instead, bucketed, into the
+flat shards `runtime.optimizer.ParamState` steps (the working parameters are then in the
+compute dtype, and so are the gradients the microbatches accumulate).
 A parameter used by two stages (a tied embedding and head) lives in both; after the
 schedule ran, its gradients are summed over the pipeline axis (non-owners add zeros).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autopar._compat import aot_function, default_partition
-from autopar.cost_models.memory import local_shape
 from autopar.passes.lower import PlacedInterpreter, _wrap
-from autopar.passes.precision import ParamBoundary
+from autopar.passes.precision import ParamBoundary, flat_spec
 from autopar.passes.recompute import recompute_activations, recomputed_nodes
 from autopar.passes.stages import StageGraph
 from autopar.plan import MemoryPlan, Plan, parse_spec
@@ -69,8 +75,11 @@ class StageModule(nn.Module):
         self.grad_placements: dict[int, tuple] = {}
         pending = self.grad_placements
         interp = PlacedInterpreter(stage.gm, plan, mesh)
-        # mixed precision: parameters cast at the boundary (passes.precision)
-        boundary, n_params = ParamBoundary.of(plan), len(stage.params)
+        # mixed precision: parameters cast at the boundary (passes.precision); ZeRO's
+        # reduce-scatter runs after the last microbatch (`scatter_gradients`), so the
+        # program reads the working parameters as a plain (or casting) boundary
+        boundary = replace(ParamBoundary.of(plan), shard_optimizer=False, shard_gradients=False)
+        n_params = len(stage.params)
         self.reduce_dtype = boundary.reduce_dtype  # what `sync_gradients` reduces in
 
         def program(*locals_):
@@ -92,6 +101,8 @@ class StageModule(nn.Module):
 
         # fusion="inductor": the stage's forward and backward graphs go to torch.compile
         compiler = aot_compiler if plan.fusion == "inductor" else _identity_compiler
+        # no passes.comm here: a stage's collectives stay waited at once (early issue inside
+        # stage programs deadlocked pp x dp x tp on gloo); gradients are bucketed per step
         n_state = len(stage.params) + len(stage.buffers)
         # nodes the joint graph re-emits in backward (known after the first call)
         self.recomputed: list[int] = []
@@ -146,25 +157,80 @@ def _is_sum_partial(p) -> bool:
 
 def sync_gradients(modules: list[StageModule], mesh: DeviceMesh) -> None:
     """Reduce the gradients the stage programs left partial, once: per (placements,
-    dtype), the gradients flattened into one buffer and all-reduced over the partial axes
-    (in the policy's reduce dtype, as the planner prices it)."""
+    dtype), the gradients flattened into one buffer, all-reduced in place over each
+    partial axis (in the policy's reduce dtype, as the planner prices it) and copied back.
+    At most one bucket is alive beside the gradients (`search.peak` prices it so)."""
     buckets: dict[tuple, list[torch.Tensor]] = {}
     for module in modules:
         for i, p in enumerate(module.shards):
             keep = module.grad_placements.get(i)
             if p.grad is None or keep is None or not any(q.is_partial() for q in keep):
                 continue
-            src = tuple(q if q.is_partial() else Replicate() for q in keep)
+            assert all(_is_sum_partial(q) for q in keep if q.is_partial()), keep
+            axes = tuple(a for a, q in enumerate(keep) if q.is_partial())
             dtype = module.reduce_dtype or p.grad.dtype
-            buckets.setdefault((src, dtype), []).append(p.grad)
-    for (src, dtype), grads in buckets.items():
+            buckets.setdefault((axes, dtype), []).append(p.grad)
+    for (axes, dtype), grads in buckets.items():
         flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
-        dt = DTensor.from_local(flat, mesh, src, run_check=False, shape=flat.shape, stride=(1,))
-        out = dt.redistribute(mesh, [Replicate()] * len(src)).to_local()
+        for axis in axes:
+            dist.all_reduce(flat, group=mesh.get_group(axis))
         offset = 0
         for g in grads:
-            g.copy_(out[offset : offset + g.numel()].view_as(g))
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+        del flat
+
+
+def scatter_gradients(
+    modules: list[StageModule], mesh: DeviceMesh, master: torch.dtype | None
+) -> list[list[torch.Tensor | None]]:
+    """ZeRO: reduce-scatter the gradients the stage programs left partial into each
+    parameter's flat shard (`passes.precision.flat_shard`'s padded layout), once, bucketed
+    per (placements, flat placements, dtype). A bucket is the `R x sum(L_i / R)` matrix
+    whose row r is every parameter's r-th chunk of its padded flat gradient (`R` replicas,
+    rows in the nested `Shard(0)` order of the replicated axes), so the reduce-scatter
+    hands rank r its row: the concatenation of its flat shards. Returns, per module and
+    parameter, the shard in `master` dtype (None where no gradient was made)."""
+    out: list[list[torch.Tensor | None]] = [[None] * len(m.shards) for m in modules]
+    buckets: dict[tuple, list[tuple[int, int, torch.Tensor]]] = {}
+    for j, module in enumerate(modules):
+        for i, p in enumerate(module.shards):
+            keep = module.grad_placements.get(i)
+            if p.grad is None or keep is None:
+                continue
+            src = tuple(q if q.is_partial() else Replicate() for q in keep)
+            dst = flat_spec(module._specs[i])
+            dtype = module.reduce_dtype or p.grad.dtype
+            buckets.setdefault((src, dst, dtype), []).append((j, i, p.grad))
+    for (src, dst, dtype), grads in buckets.items():
+        r = math.prod(mesh.size(a) for a, q in enumerate(dst) if isinstance(q, Shard))
+        widths = [-(-g.numel() // r) for _, _, g in grads]
+        rows = torch.zeros(r, sum(widths), dtype=dtype, device=grads[0][2].device)
+        offset = 0
+        for (_, _, g), w in zip(grads, widths, strict=True):
+            _fill_rows(rows[:, offset : offset + w], g)
+            offset += w
+        flat = rows.view(-1)
+        dt = DTensor.from_local(flat, mesh, src, run_check=False, shape=flat.shape, stride=(1,))
+        mine = dt.redistribute(mesh, dst).to_local()
+        del rows, flat, dt
+        offset = 0
+        for (j, i, _), w in zip(grads, widths, strict=True):
+            shard = mine[offset : offset + w]
+            out[j][i] = shard.to(master) if master is not None and shard.dtype != master else shard
+            offset += w
+    return out
+
+
+def _fill_rows(block: torch.Tensor, grad: torch.Tensor) -> None:
+    """Row k of `block` (R x w): chunk k of the gradient's flat, zero-padded to R * w."""
+    flat = grad.reshape(-1)
+    w = block.shape[1]
+    full, rest = divmod(flat.numel(), w)
+    if full:
+        block[:full].copy_(flat[: full * w].view(full, w))
+    if rest:
+        block[full, :rest].copy_(flat[full * w :])
 
 
 def _recompute_partition(memory: MemoryPlan, n_state: int, n_inputs: int, counts: list[int]):
@@ -223,7 +289,10 @@ def _example(stage: StageGraph, plan: Plan, names: list[str], mesh: DeviceMesh):
     vals = {n.name: n.meta.get("val") for n in stage.gm.graph.nodes}
     for name in names:
         val = vals[name]
-        shape = local_shape(tuple(val.shape), boundary_spec(plan, name), mesh.shape)
+        # this rank's own piece: an uneven split (a microbatch of 3 rows on dp=2) differs
+        # from rank to rank, and PipelineStage checks what it receives against the example
+        meta = torch.empty(tuple(val.shape), device="meta")
+        shape = local_chunk(meta, boundary_spec(plan, name), mesh).shape
         example = torch.zeros(shape, dtype=val.dtype, device=mesh_device(mesh))
         # PipelineStage reads requires_grad off the examples: activations carry gradients
         out.append(example.requires_grad_(val.dtype.is_floating_point))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -10,12 +12,19 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as pp_schedules
 
 from autopar.capture import Captured
+from autopar.passes.precision import ParamBoundary, flat_shard
 from autopar.passes.stages import split_stages
 from autopar.plan import SCHEDULES, Plan, parse_spec, stage_ranks
 from autopar.runtime.memory_stats import optimizer_state_tensors
-from autopar.runtime.optimizer import LossScaler
+from autopar.runtime.optimizer import LossScaler, ParamState
 from autopar.runtime.parallel_model import OptimizerFactory, TrainingSteps
-from autopar.runtime.pipeline import StageModule, _example, boundary_spec, sync_gradients
+from autopar.runtime.pipeline import (
+    StageModule,
+    _example,
+    boundary_spec,
+    scatter_gradients,
+    sync_gradients,
+)
 from autopar.runtime.shards import gather_full, local_chunk, mesh_device
 from autopar.search.schedules import TORCH_CLASSES
 
@@ -31,11 +40,6 @@ class PipelineModel(TrainingSteps):
         world_mesh: DeviceMesh,
         optimizer: OptimizerFactory | None = None,
     ):
-        if plan.memory.shard_optimizer:
-            raise ValueError(
-                "shard_optimizer / shard_gradients (ZeRO) do not run with pipelining yet: "
-                "compile without them, or without pipeline stages"
-            )
         self.plan, self.captured, self.world_mesh = plan, captured, world_mesh
         # fp16: dynamic loss scaling (runtime.optimizer)
         self.scaler = LossScaler() if plan.memory.loss_scaling else None
@@ -52,13 +56,19 @@ class PipelineModel(TrainingSteps):
             for s in range(len(graphs))
             if owners[s] == self.pp_rank
         }
+        # ZeRO: flat fp32 master shards stepped by `ParamState`; the stage modules hold
+        # the working parameters (compute dtype), filled by its all-gather
+        self.zero = _zero_state(self.modules, plan, self.mesh, optimizer)
         self.stages = [
             self._pipeline_stage(graphs[s], m, len(graphs)) for s, m in self.modules.items()
         ]
         self._tied = _tied_params(graphs)
         self.schedule = _make_schedule(plan, self.stages, self._loss)
         params = [p for m in self.modules.values() for p in m.shards]
-        self.optimizer = optimizer(params) if optimizer else None
+        if self.zero is not None:
+            self.optimizer = self.zero.optimizer
+        else:
+            self.optimizer = optimizer(params) if optimizer else None
         self._is_last = (len(graphs) - 1) in self.modules
         self._first = 0 in self.modules
 
@@ -92,8 +102,12 @@ class PipelineModel(TrainingSteps):
         if self._is_last:
             kwargs.update(target=dummy, losses=losses)
         self.schedule.step(*args, **kwargs) if self._first else self.schedule.step(**kwargs)
-        sync_gradients(list(self.modules.values()), self.mesh)  # once, after the last backward
-        self._sync_tied_grads()
+        if self.zero is None:
+            sync_gradients(list(self.modules.values()), self.mesh)  # after the last backward
+            self._sync_tied_grads()
+        else:
+            self._sync_tied_grads()  # unreduced: the sum over pp commutes with the scatter
+            self._scatter_gradients()
         if self.scaler is not None:
             self.scaler.unscale(g for g in self.local_grads().values() if g is not None)
         local = (
@@ -105,15 +119,37 @@ class PipelineModel(TrainingSteps):
         return local / self.scaler.scale if self.scaler is not None else local
 
     def optimizer_step(self) -> None:
-        """fp16: skip the step if any rank's gradients overflowed (`LossScaler`)."""
+        """fp16: skip the step if any rank's gradients overflowed (`LossScaler`). ZeRO:
+        step the flat masters, all-gather them into the working parameters."""
         if self.scaler is not None and self.optimizer is not None:
             grads = [g for g in self.local_grads().values() if g is not None]
             finite = self.scaler.all_finite(grads)
             self.scaler.update(finite)
             if not finite:
                 self.optimizer.zero_grad(set_to_none=True)
+                self._clear_working_grads()
                 return
+        if self.zero is not None:
+            self.zero.step()  # steps, gathers, clears the flat and full gradients
+            return
         super().optimizer_step()
+
+    def _scatter_gradients(self) -> None:
+        """ZeRO: the microbatches' gradients reduce-scattered into the flat shards (ZeRO-2
+        then frees the full-size gradients)."""
+        assert self.zero is not None
+        modules = list(self.modules.items())
+        shards = scatter_gradients([m for _, m in modules], self.mesh, _master_dtype(self.zero))
+        for (s, m), row in zip(modules, shards, strict=True):
+            for i, g in enumerate(row):
+                self.zero.flats[_key(s, i)].grad = g
+                if self.plan.memory.shard_gradients:
+                    m.shards[i].grad = None
+
+    def _clear_working_grads(self) -> None:
+        for m in self.modules.values():
+            for p in m.shards:
+                p.grad = None
 
     def _loss(self, output: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
         """The last stage's program already computes the microbatch loss (fp16: scaled)."""
@@ -121,11 +157,23 @@ class PipelineModel(TrainingSteps):
 
     # ---- state -------------------------------------------------------------------------
     def local_grads(self) -> dict[str, torch.Tensor | None]:
+        """This rank's gradient per parameter FQN: the local shard, or under ZeRO the flat
+        shard (`expected_grad` cuts a reference so)."""
         out = {}
-        for m in self.modules.values():
-            for name, p in zip(m.stage.params, m.shards, strict=True):
-                out[self.captured.params[name]] = p.grad
+        for s, m in self.modules.items():
+            for i, (name, p) in enumerate(zip(m.stage.params, m.shards, strict=True)):
+                g = self.zero.flats[_key(s, i)].grad if self.zero is not None else p.grad
+                out[self.captured.params[name]] = g
         return out
+
+    def expected_grad(self, fqn: str, full: torch.Tensor) -> torch.Tensor:
+        """The piece of a full gradient of parameter `fqn` that `local_grads()` holds."""
+        name = next(n for n, f in self.captured.params.items() if f == fqn)
+        t = self.plan.tensor(name)
+        local = local_chunk(full, parse_spec(t.spec), self.mesh)
+        if self.zero is None:
+            return local
+        return flat_shard(local, parse_spec(t.spec), self.mesh)
 
     def predicted_memory(self) -> tuple[float, dict[str, float]]:
         """This pipeline rank's prediction (`plan.solver["predicted_memory_per_pp_rank"]`)."""
@@ -139,17 +187,23 @@ class PipelineModel(TrainingSteps):
         return {
             "parameters": [p for m in self.modules.values() for p in m.shards],
             "buffers": [b for m in self.modules.values() for b in m.buffers()],
-            "gradients": list(self.local_grads().values()),
-            "optimizer_state": optimizer_state_tensors(self.optimizer),
+            "gradients": self.zero.held_gradients()
+            if self.zero is not None
+            else list(self.local_grads().values()),
+            "optimizer_state": [
+                *optimizer_state_tensors(self.optimizer),
+                *(self.zero.masters() if self.zero is not None else []),
+            ],
         }
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         tensors = {t.name: t for t in self.plan.tensors}
         mine: dict[str, torch.Tensor] = {}
-        for m in self.modules.values():
-            for name, p in zip(m.stage.params, m.shards, strict=True):
+        for s, m in self.modules.items():
+            for i, (name, p) in enumerate(zip(m.stage.params, m.shards, strict=True)):
                 t = tensors[name]
-                full = gather_full(p.detach(), parse_spec(t.spec), self.mesh, t.shape)
+                local = p.detach() if self.zero is None else self.zero.master_local(_key(s, i))
+                full = gather_full(local, parse_spec(t.spec), self.mesh, t.shape)
                 for fqn in [t.fqn, *self.captured.aliases.get(t.fqn, [])]:
                     mine[fqn] = full
         gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
@@ -185,10 +239,15 @@ class PipelineModel(TrainingSteps):
                     parse_spec(tensors[name].spec),
                     self.mesh,
                 ).shape
-                total = torch.zeros(shape, device=self.device)
+                total = torch.zeros(shape, dtype=self._grad_dtype(), device=self.device)
             dist.all_reduce(total, group=self.pp_group)
             for p in held:
                 p.grad = total.clone()
+
+    def _grad_dtype(self) -> torch.dtype:
+        """The dtype the parameters (and their gradients) are held in on this rank."""
+        held = (p.dtype for m in self.modules.values() for p in m.shards)
+        return next(held, torch.get_default_dtype())
 
     def _stage_coord_zero(self) -> bool:
         return all(c == 0 for c in self.mesh.get_coordinate())
@@ -208,6 +267,37 @@ def _full_state(model: nn.Module, captured: Captured) -> dict[str, torch.Tensor]
     }
     out.update(captured.constants)
     return out
+
+
+def _key(stage: int, index: int) -> str:
+    return f"{stage}.{index}"
+
+
+def _zero_state(
+    modules: dict[int, StageModule], plan: Plan, mesh: DeviceMesh, optimizer
+) -> ParamState | None:
+    """ZeRO on a pipeline rank: a `ParamState` over every stage's local shards (flat
+    masters, optimizer), whose working parameters become the stage modules' parameters.
+    The pipeline's own `LossScaler` scales and unscales (not the state's)."""
+    if not plan.memory.shard_optimizer:
+        return None
+    shards = {_key(s, i): p.detach() for s, m in modules.items() for i, p in enumerate(m.shards)}
+    specs = {
+        _key(s, i): parse_spec(plan.tensor(n).spec)
+        for s, m in modules.items()
+        for i, n in enumerate(m.stage.params)
+    }
+    boundary = dataclasses.replace(ParamBoundary.of(plan), loss_scaling=False)
+    state = ParamState(shards, specs, mesh, boundary, optimizer)
+    for s, m in modules.items():
+        for i in range(len(m.shards)):
+            m.shards[i] = nn.Parameter(state.params[_key(s, i)].detach())
+            state.params[_key(s, i)] = m.shards[i]  # gathered into, its .grad cleared
+    return state
+
+
+def _master_dtype(state: ParamState) -> torch.dtype | None:
+    return next((f.dtype for f in state.flats.values()), None)
 
 
 def _tied_params(graphs) -> list[str]:

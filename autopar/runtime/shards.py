@@ -1,9 +1,11 @@
 """Local shards of global tensors, and back, for a rank's coordinate on the mesh.
 
-Only even shardings occur in plans (the strategy pass drops uneven ones), so a rank's shard
-of a tensor placed `(p_0, ..., p_{n-1})` is obtained by chunking, axis by axis in mesh
-order, the dim each `Shard(d)` names into `mesh.size(axis)` equal pieces and keeping the one
-at the rank's coordinate: exactly DTensor's layout for nested sharding.
+A rank's shard of a tensor placed `(p_0, ..., p_{n-1})` is obtained by `torch.chunk`-ing,
+axis by axis in mesh order, the dim each `Shard(d)` names into `mesh.size(axis)` pieces and
+keeping the one at the rank's coordinate: exactly DTensor's layout for nested sharding,
+uneven ones included (a dim of 97 over 4 ranks: 25, 25, 25, 22 rows; 6 over 4: 2, 2, 2, 0,
+the missing trailing chunks being empty). `gather_full` is DTensor's `full_tensor`, which
+pads the uneven pieces for the all-gather and strips the padding.
 """
 
 from __future__ import annotations
@@ -31,14 +33,7 @@ def local_chunk(full: torch.Tensor, spec: Spec, mesh: DeviceMesh) -> torch.Tenso
     local = full
     for axis, placement in enumerate(spec):
         if isinstance(placement, Shard):
-            n = mesh.size(axis)
-            dim = placement.dim
-            if local.shape[dim] % n:
-                raise ValueError(
-                    f"dim {dim} of size {local.shape[dim]} does not split evenly over mesh "
-                    f"axis {axis} of size {n}"
-                )
-            local = local.chunk(n, dim)[coord[axis]]
+            local = chunk_of(local, placement.dim, mesh.size(axis), coord[axis])
         elif placement.is_partial():
             raise ValueError("a stored tensor cannot be Partial")
     if local.is_meta:
@@ -47,6 +42,15 @@ def local_chunk(full: torch.Tensor, spec: Spec, mesh: DeviceMesh) -> torch.Tenso
     if local.device != device:  # the copy to the device is the rank's own storage
         return local.detach().to(device).contiguous()
     return local.detach().clone().contiguous()
+
+
+def chunk_of(t: torch.Tensor, dim: int, n: int, index: int) -> torch.Tensor:
+    """Piece `index` of `n` of `t` along `dim`, as `torch.chunk` (and DTensor) cut it:
+    pieces of `ceil(size / n)`, the last smaller; an index past the last piece is empty."""
+    pieces = t.chunk(n, dim)
+    if index < len(pieces):
+        return pieces[index]
+    return t.narrow(dim, t.shape[dim], 0)
 
 
 def gather_full(

@@ -2,7 +2,8 @@
 
 node cost  = roofline(flops * (1 + backward_factor) / split, bytes * (2) / split) where
              `split` = product of the sizes of the mesh axes on which the strategy divides the
-             work (some input or output Shard or Partial on that axis).
+             work (some input or output Shard or Partial on that axis), over
+             `rules.attention.work_factor` (2 for causal attention split on the sequence).
 forward    = roofline(flops / split, bytes / split): `forward_time`, what recomputing the node
              in backward costs (`autopar.search.levers`).
 edge cost  = redistribute(producer output -> consumer input), plus one link latency per
@@ -15,6 +16,13 @@ edge cost  = redistribute(producer output -> consumer input), plus one link late
              the program (edges without a forward reshard: the DP all-reduce, ZeRO's
              reduce-scatter) moves `reduce_itemsize` bytes per element; a gathered
              weight's (FSDP's reduce-scatter) and every other value its captured dtype's.
+             The ILP's terms are conservative: every collective is priced on its own and
+             waited at once (a gradient reduction that `passes.comm` buckets pays its own
+             latency terms, an upper bound on its share of the bucket: tests/
+             test_cost_model_invariants.py). The exact price of the program the runtime
+             runs (gradient buckets on one channel behind the backward, FSDP gathers
+             prefetched a layer ahead) is `autopar.search.step.predicted_step_time`
+             (`cost_models.buckets`); `grad_reductions` lists a weight's reductions for it.
 memory     = placeholders: `cost_models.memory.param_state_bytes` (local shard x (param +
              grad + optimizer states), as the runtime holds them: fp32 master under the
              mixed-precision policy, ZeRO with `shard_optimizer` / `shard_gradients`);
@@ -49,6 +57,7 @@ from autopar.capture.operands import Operand, tensor_operands
 from autopar.cluster import Cluster
 from autopar.cost_models import comm, compute, memory
 from autopar.passes.strategies import NodeStrategy, Spec
+from autopar.passes.strategies.rules import attention
 
 aten = torch.ops.aten
 
@@ -126,8 +135,15 @@ class CostContext:
         if n.op != "call_function" or n.target in VIEW_OPS or n.target is operator.getitem:
             return 0.0
         flops, nbytes, dtype = self._work(n)
-        split = self._split(s)
-        return compute.compute_time(flops / split, nbytes / split, dtype, self.cluster)
+        split = self._split(s) / attention.work_factor(n, s)
+        return compute.compute_time(
+            flops / split,
+            nbytes / split,
+            dtype,
+            self.cluster,
+            op=compute.op_class(n),
+            kernels=compute.training_kernels(n),
+        )
 
     def forward_time(self, n: fx.Node, s: NodeStrategy) -> float:
         """The forward share of `node_cost` (what recomputing the node in backward costs):
@@ -136,8 +152,10 @@ class CostContext:
             return 0.0
         _, _, dtype = self._work(n)
         fwd, nbytes = self._forward_work[n]
-        split = self._split(s)
-        return compute.compute_time(fwd / split, nbytes / split, dtype, self.cluster)
+        split = self._split(s) / attention.work_factor(n, s)
+        return compute.compute_time(
+            fwd / split, nbytes / split, dtype, self.cluster, op=compute.op_class(n)
+        )
 
     def _work(self, n: fx.Node) -> tuple[float, float, str]:
         if n not in self._flops:
@@ -228,10 +246,36 @@ class CostContext:
             # a weight's gradient not reduced by a forward gather's backward reaches the
             # parameter partial and is reduced there, in reduce_dtype (`passes.precision`)
             grad_size = self.reduce_itemsize
-        return (
-            self._redistribute(tuple(src), tuple(dst), shape, size),
-            self._redistribute(grad_dst, grad_src, shape, grad_size),
-        )
+        fwd = self._redistribute(tuple(src), tuple(dst), shape, size)
+        bwd = self._redistribute(grad_dst, grad_src, shape, grad_size)
+        return fwd, bwd
+
+    def weight_gathers(self, op: Operand, src, v: fx.Node, s: NodeStrategy, pos: int):
+        """``(key, kind, axis, bytes)`` per collective of the forward reshard of the weight
+        `op` reads (empty for an activation): what `passes.comm` fuses per layer."""
+        dst = s.inputs[pos] if pos < len(s.inputs) else None
+        val = op.tensor
+        if src is None or dst is None or val is None or not self.is_weight(op.producer):
+            return []
+        size = val.element_size()
+        parts = _reshard_parts(self.cluster, tuple(src), tuple(dst), tuple(val.shape), size) or ()
+        return [((kind, axis, size), kind, axis, b) for axis, kind, b in parts]
+
+    def grad_reductions(self, op: Operand, src, v: fx.Node, s: NodeStrategy, pos: int):
+        """``(key, kind, axis, bytes)`` per collective reducing the gradient of the weight
+        `op` reads (empty for an activation): what `cost_models.buckets` buckets, keyed by
+        (kind, axis, dtype size) as the pass keys (group, reduce op, dtype)."""
+        dst = s.inputs[pos] if pos < len(s.inputs) else None
+        val = op.tensor
+        if src is None or dst is None or val is None or not self.is_weight(op.producer):
+            return []
+        grad_dst = self._grad_spec_at_consumer(dst, s)
+        grad_src = tuple(Replicate() if p.is_partial() else p for p in src)
+        size = val.element_size()
+        if self.reduce_itemsize and same_spec(src, dst):
+            size = self.reduce_itemsize
+        parts = _reshard_parts(self.cluster, grad_dst, grad_src, tuple(val.shape), size) or ()
+        return [((kind, axis, size), kind, axis, b) for axis, kind, b in parts]
 
     def _grad_spec_at_consumer(self, dst, s: NodeStrategy):
         out = []
@@ -266,6 +310,19 @@ def _redistribute_cached(cluster: Cluster, src, dst, shape, itemsize) -> float:
         for axis, _ in comm.redistribute_steps(src, dst, cluster.mesh_shape)
     )
     return comm.redistribute_time(src, dst, shape, itemsize, cluster) + launches
+
+
+@lru_cache(maxsize=200_000)
+def _reshard_parts(cluster: Cluster, src, dst, shape, itemsize):
+    if same_spec(src, dst):
+        return ()
+    if any(b.is_partial() and not a.is_partial() for a, b in zip(src, dst, strict=True)):
+        return None
+    src = tuple(
+        b if a.is_partial() and b.is_partial() else a for a, b in zip(src, dst, strict=True)
+    )
+    parts = comm.redistribute_parts(src, dst, shape, itemsize, cluster)
+    return None if parts is None else tuple(parts)
 
 
 def is_param(n: fx.Node) -> bool:

@@ -83,6 +83,10 @@ class IntraOpSolution:
     solve_time_s: float
 
 
+class SolverTimeout(RuntimeError):
+    """No assignment found within the time limit (none proven impossible either)."""
+
+
 class MemoryInfeasible(ValueError):
     """No assignment fits ``memory_limit``; ``min_memory`` is the least memory reachable."""
 
@@ -320,7 +324,7 @@ def solve_intra_op(problem: IntraOpProblem, *, backend: str = "auto") -> IntraOp
     if not result.has_primal_feasible_solution():
         if result.termination.reason in _PROVEN_INFEASIBLE:
             raise _diagnose(red, problem, backend)
-        raise RuntimeError(f"no solution in {problem.time_limit_s} s: {result.termination}")
+        raise SolverTimeout(f"no solution in {problem.time_limit_s} s: {result.termination}")
     choices = _choices(mdl, red, result)
     objective, memory = evaluate(problem, choices)
     status = "optimal" if result.termination.reason == _TR.OPTIMAL else "feasible"

@@ -13,7 +13,10 @@ the cut points come from the DP that minimizes the slowest stage over contiguous
 ranges (`balanced_cuts`); the timeline simulator (`search/schedules.py`) prices the
 schedule with per-stage forward (t/3) and backward (2t/3) times, the activation sends
 between ranks, and gives each rank's peak in-flight microbatches, which multiplies its
-stages' activation memory. A schedule whose ranks do not fit in device memory is dropped;
+stages' activation memory. A rank reduces its gradients once per step, after the last
+backward, as one flat buffer per (collective, mesh axis, dtype)
+(`cost_models.buckets.fused_time`: the bytes summed, one latency per buffer), waited
+in full after the timeline. A schedule whose ranks do not fit in device memory is dropped;
 the fastest remaining one wins. When none fits, the ILP is solved again (twice at most)
 under a budget shrunk by limit / least peak, so that it turns to its memory levers
 (recompute, reshard after forward) or shards more. A rank's memory counts the weights its
@@ -33,6 +36,7 @@ from autopar.capture import Captured
 from autopar.capture.analysis import batch_dependent, layer_order
 from autopar.capture.export import layer_of
 from autopar.cluster import Cluster
+from autopar.cost_models.buckets import Grad, fused_time
 from autopar.cost_models.comm import send_recv_time
 from autopar.plan import SCHEDULES, MemoryPlan, PipelinePlan, Plan, stage_ranks
 from autopar.search.costs import CostWeights
@@ -68,12 +72,14 @@ class PartCost:
     """One layer (or the part of the graph before/after the layers) on one stage mesh."""
 
     time: float = 0.0  # forward + backward per microbatch, seconds
-    sync: float = 0.0  # parameter-gradient reduction, once per step, seconds
+    sync: float = 0.0  # parameter-gradient reduction, once per step, seconds (as the ILP)
     state: float = 0.0  # parameters, gradients, optimizer state, bytes
     act: float = 0.0  # saved activations per microbatch, bytes
+    grads: tuple[Grad, ...] = ()  # the gradient reductions behind `sync`
 
     def __add__(self, other: PartCost) -> PartCost:
-        return PartCost(*(a + b for a, b in zip(self.astuple(), other.astuple(), strict=True)))
+        sums = (a + b for a, b in zip(self.astuple(), other.astuple(), strict=True))
+        return PartCost(*sums, grads=self.grads + other.grads)
 
     def astuple(self) -> tuple[float, float, float, float]:
         return (self.time, self.sync, self.state, self.act)
@@ -119,7 +125,8 @@ def layer_costs(captured: Captured, result: IntraOpResult) -> LayerCosts:
         mem = result.node_memory(n)
         state = n.op == "placeholder" or n not in batch
         held = result.held_weights(n)  # gathered weights kept until backward: once per stage
-        cost = PartCost(time, sync, (mem if state else 0.0) + held, 0.0 if state else mem)
+        grads = tuple(g for pos, op in result.ctx.operands(n) for g in _grads(result, n, pos, op))
+        cost = PartCost(time, sync, (mem if state else 0.0) + held, 0.0 if state else mem, grads)
         layer = layer_of(n)
         if layer is not None:
             seen_layer = True
@@ -129,6 +136,11 @@ def layer_costs(captured: Captured, result: IntraOpResult) -> LayerCosts:
         else:
             pre += cost
     return LayerCosts(tuple(layers), tuple(parts), pre, post, _boundary_bytes(captured))
+
+
+def _grads(result: IntraOpResult, n, pos: int, op) -> list[Grad]:
+    src = result.ctx.output_spec(op, result.chosen[op.producer])
+    return result.ctx.grad_reductions(op, src, n, result.chosen[n], pos)
 
 
 def _boundary_bytes(captured: Captured) -> float:
@@ -223,12 +235,13 @@ def price_schedule(
         schedule, [t / 3 for t in times], [2 * t / 3 for t in times], microbatches, pp, p2p
     )
     ranks = stage_ranks(schedule, pp)
+    sub = stage_cluster(cluster)  # the mesh axes the gradients are reduced on
     peak, sync = [], []
     for r in range(pp):
         mine = [stages[s] for s in range(num) if ranks[s] == r]
         per_mb_act = max(p.act for p in mine)
         peak.append(sum(p.state for p in mine) + per_mb_act * tl.in_flight[r])
-        sync.append(sum(p.sync for p in mine))
+        sync.append(fused_time([g for p in mine for g in p.grads], sub))
     return PricedSchedule(schedule, cuts, tl, max(peak), tl.step_time + max(sync))
 
 
@@ -253,6 +266,9 @@ def solve_pipeline(
     stand for `total_layers` (see `CostWeights`). Raises ValueError when none fits."""
     pp = cluster.axis_size("pp")
     limit = options.memory_limit or cluster.device.memory_bytes * 0.9
+    # ZeRO-2 in a pipeline: the microbatches accumulate the full-size gradients before
+    # the reduce-scatter (`runtime.pipeline.scatter_gradients`), so the peak holds them
+    options = replace(options, shard_gradients=False)
     weights = pipeline_weights(pp, pipeline.microbatches, layers or {})
     candidates = [pipeline.schedule] if pipeline.schedule else list(SCHEDULES)
     ilp_limit = limit * pp
@@ -306,7 +322,6 @@ def search_pipeline(
     pipeline: PipelineOptions,
 ) -> Plan:
     result, best, schedules = solve_pipeline(captured, cluster, stage_mesh, options, pipeline)
-    sub = stage_cluster(cluster)
     plan = assemble_plan(
         captured,
         cluster,
@@ -320,18 +335,23 @@ def search_pipeline(
             recompute=result.memory_plan[0], reshard_after_forward=result.memory_plan[1]
         ),
     )
+    return replace(plan, pipeline=pipeline_plan(captured, cluster, pipeline, best))
+
+
+def pipeline_plan(
+    captured: Captured, cluster: Cluster, pipeline: PipelineOptions, best: PricedSchedule
+) -> PipelinePlan:
+    """The pipeline part of the plan: `best`'s schedule and cuts over `captured`'s layers."""
     pp = cluster.axis_size("pp")
-    return replace(
-        plan,
-        pipeline=PipelinePlan(
-            pp=pp,
-            stage_cuts=best.cuts,
-            layers=tuple(layer_order(captured)),
-            schedule=best.schedule,
-            microbatches=pipeline.microbatches,
-            stage_mesh=sub.mesh_shape,
-            stage_axis_names=sub.axis_names,
-            rank_of_stage=tuple(stage_ranks(best.schedule, pp)),
-            timeline=best.timeline.rows,
-        ),
+    sub = stage_cluster(cluster)
+    return PipelinePlan(
+        pp=pp,
+        stage_cuts=best.cuts,
+        layers=tuple(layer_order(captured)),
+        schedule=best.schedule,
+        microbatches=pipeline.microbatches,
+        stage_mesh=sub.mesh_shape,
+        stage_axis_names=sub.axis_names,
+        rank_of_stage=tuple(stage_ranks(best.schedule, pp)),
+        timeline=best.timeline.rows,
     )

@@ -53,6 +53,8 @@ from autopar.search.levers import (
     layer_summary,
 )
 from autopar.search.pins import SearchOptions, apply_pins
+from autopar.search.progress import phase
+from autopar.search.step import predicted_step_time
 from autopar.search.to_plan import assemble_plan
 
 
@@ -272,35 +274,17 @@ def solve_intra(
     `options.memory_limit`) are how a pipeline search asks for its stages' budget."""
     options = options or SearchOptions()
     t0 = time.perf_counter()
-    strats = enumerate_strategies(captured.gm, mesh)
-    strats = apply_pins(captured, strats, options, mesh)
-    ctx = CostContext(
-        cluster,
-        optimizer_states=options.optimizer_states,
-        weights=weights,
-        shard_optimizer=options.shard_optimizer,
-        batch_dependent=batch_dependent(captured),
-        shard_gradients=options.shard_gradients,
-        mixed_precision=options.mixed_precision,
-        reduce_itemsize=options.reduce_itemsize,
-    )
-    dec = build_decisions(captured.gm, strats, ctx)
-    rep = share_layers(dec, strats) if options.share_layers else list(range(len(dec.items)))
-    limit = memory_limit or options.memory_limit or cluster.device.memory_bytes * 0.9
-    problem, var_of = price(dec, rep, strats, ctx, limit, options.time_limit_s)
-    index = {r: var_of[r] for r in set(rep)}
-    problem, levers = add_levers(
-        dec,
-        rep,
-        index,
-        strats,
-        ctx,
-        problem,
-        recompute=options.activation_checkpointing,
-        reshard=options.reshard_after_forward,
-    )
+    with phase("strategies"):
+        strats = enumerate_strategies(captured.gm, mesh)
+        strats = apply_pins(captured, strats, options, mesh)
+    with phase("costs"):
+        dec, problem, var_of, levers, ctx = _build_problem(
+            captured, cluster, strats, options, weights, memory_limit
+        )
+    limit = problem.memory_limit
     try:
-        solution = solve_intra_op(problem)
+        with phase("ILP"):
+            solution = solve_intra_op(problem)
     except MemoryInfeasible as exc:
         raise _explain_memory(exc, cluster, limit) from None
     chosen = {
@@ -335,6 +319,36 @@ def solve_intra(
     )
 
 
+def _build_problem(captured, cluster, strats, options, weights, memory_limit):
+    """(decisions, the ILP with its levers, decision -> ILP variable, levers, prices)."""
+    ctx = CostContext(
+        cluster,
+        optimizer_states=options.optimizer_states,
+        weights=weights,
+        shard_optimizer=options.shard_optimizer,
+        batch_dependent=batch_dependent(captured),
+        shard_gradients=options.shard_gradients,
+        mixed_precision=options.mixed_precision,
+        reduce_itemsize=options.reduce_itemsize,
+    )
+    dec = build_decisions(captured.gm, strats, ctx)
+    rep = share_layers(dec, strats) if options.share_layers else list(range(len(dec.items)))
+    limit = memory_limit or options.memory_limit or cluster.device.memory_bytes * 0.9
+    problem, var_of = price(dec, rep, strats, ctx, limit, options.time_limit_s)
+    index = {r: var_of[r] for r in set(rep)}
+    problem, levers = add_levers(
+        dec,
+        rep,
+        index,
+        strats,
+        ctx,
+        problem,
+        recompute=options.activation_checkpointing,
+        reshard=options.reshard_after_forward,
+    )
+    return dec, problem, var_of, levers, ctx
+
+
 def search_plan(
     captured: Captured, cluster: Cluster, mesh: DeviceMesh, options: SearchOptions | None = None
 ) -> Plan:
@@ -347,7 +361,7 @@ def search_plan(
         options.strategy_name(),
         result.objective,
         result.memory,
-        result.info,
+        {**result.info, "overlapped_step_time": predicted_step_time(captured, result)},
         priced=result.priced,
         memory=MemoryPlan(
             recompute=result.memory_plan[0], reshard_after_forward=result.memory_plan[1]

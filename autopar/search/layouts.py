@@ -19,14 +19,15 @@ Microbatches hold `mbs` rows per data-parallel replica, `mbs` in 1, 2 (Megatron'
 batch size), so `M = rows / (dp * mbs)`, and `M >= pp`.
 
 Pruning: for each `tp`, `pp` runs through the divisors of `devices / tp` that divide the
-number of blocks; microbatch sizes grow until one does not fit; once a degree is feasible, the walk stops at the first degree that is
-slower than the best so far (more stages cut per-device memory and work but add bubble
-and boundary traffic, so the step time is unimodal in `pp` in practice).
+number of blocks; microbatch sizes grow until one does not fit. The step time need not be
+unimodal in `pp` (the memory levers switch on and off, the divisors jump, a schedule
+starts to fit), so the walk does not stop at the first slower degree: it stops after
+`PATIENCE` consecutive feasible degrees slower than the best of its `tp` (a bump of up to
+`PATIENCE - 1` degrees is walked through), and infeasible degrees never stop it.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,13 +39,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from autopar.capture.analysis import layer_order
 from autopar.capture.template import Template, capture_template
 from autopar.cluster import Cluster
-from autopar.search.costs import CostWeights
-from autopar.search.ilp import MemoryInfeasible
-from autopar.search.inter_op import PipelineOptions, solve_pipeline, stage_cluster
-from autopar.search.intra_op import solve_intra
+from autopar.search.ilp import MemoryInfeasible, SolverTimeout
+from autopar.search.inter_op import PipelineOptions
 from autopar.search.pins import SearchOptions
+from autopar.search.progress import candidate, phase
+from autopar.search.template_plan import solve_on_template
 
 MICROBATCH_ROWS = (1, 2)  # rows per data-parallel replica in one microbatch
+PATIENCE = 2  # consecutive pipeline degrees slower than the best before a tp's walk stops
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +79,12 @@ class LayoutSearch:
     peak_memory: float
     tried: dict[str, float | str] = field(default_factory=dict)  # key -> seconds or why not
     search_time_s: float = 0.0
+    templates: dict[int, Template] = field(default_factory=dict)  # microbatch rows -> template
+
+    def template_for(self, layout: Layout, rows: int) -> Template | None:
+        """The template captured at `layout`'s microbatch shape (None if it cut nothing)."""
+        tpl = self.templates.get(rows // layout.microbatches)
+        return tpl if tpl is not None and tpl.total_layers is not None else None
 
 
 @dataclass
@@ -91,7 +99,8 @@ class _Pricer:
     def template(self, rows: int) -> Template:
         if rows not in self.templates:
             mb = tuple(t[:rows] if t.ndim else t for t in self.batch)
-            self.templates[rows] = capture_template(self.model, mb, self.loss_fn)
+            with phase("capture"):
+                self.templates[rows] = capture_template(self.model, mb, self.loss_fn)
         return self.templates[rows]
 
     def price(self, layout: Layout, schedule: str | None) -> tuple[float, float, Layout]:
@@ -102,19 +111,10 @@ class _Pricer:
         # under the fake group (shapes only): a cpu mesh prices any device's plan
         mesh = init_device_mesh("cpu", cluster.mesh_shape, mesh_dim_names=cluster.axis_names)
         if layout.pp == 1:
-            weights = CostWeights(layer=tpl.weights)
-            result = solve_intra(tpl.captured, cluster, mesh, self.options, weights)
+            result = solve_on_template(tpl, cluster, mesh, self.options, None)
             return result.objective, result.memory, layout
-        stage = stage_cluster(cluster)
-        result, best, _ = solve_pipeline(
-            tpl.captured,
-            cluster,
-            mesh[stage.axis_names],
-            self.options,
-            PipelineOptions(layout.microbatches, schedule),
-            layers=tpl.weights,
-            total_layers=tpl.total_layers,
-        )
+        pipeline = PipelineOptions(layout.microbatches, schedule)
+        result, best, _ = solve_on_template(tpl, cluster, mesh, self.options, pipeline)
         chosen = Layout(layout.pp, layout.dp, layout.tp, layout.microbatches, best.schedule)
         return best.step_time, best.peak_memory, chosen
 
@@ -158,6 +158,15 @@ def search_layout(
     microbatches: int | None = None,
     schedule: str | None = None,
 ) -> LayoutSearch:
+    with phase("layout search"):
+        return _search_layout(
+            model, batch, cluster, options, loss_fn, pipeline_stages, microbatches, schedule
+        )
+
+
+def _search_layout(
+    model, batch, cluster, options, loss_fn, pipeline_stages, microbatches, schedule
+) -> LayoutSearch:
     t0 = time.perf_counter()
     pricer = _Pricer(model, batch, cluster, options, loss_fn)
     layers = pricer.template(batch[0].shape[0]).total_layers or _captured_layers(pricer)
@@ -171,24 +180,35 @@ def search_layout(
             "degree (e.g. a multiple of the device count)"
         )
     tried: dict[str, float | str] = {}
-    best: tuple[float, float, Layout] | None = None
+    best = None
     for by_degree in candidates.values():
-        tp_best = math.inf
-        for layouts in by_degree:
-            found = _price_all(pricer, layouts, schedule, tried)
-            if found is None:
-                continue
-            if best is None or found[0] < best[0]:
-                best = found
-            if found[0] > tp_best:
-                break
-            tp_best = found[0]
+        found = walk_degrees(by_degree, lambda ls: _price_all(pricer, ls, schedule, tried))
+        if found is not None and (best is None or found[0] < best[0]):
+            best = found
     if best is None:
         raise ValueError(
             "no layout fits: " + "; ".join(f"{k}: {v}" for k, v in list(tried.items())[:8])
         )
     step, peak, layout = best
-    return LayoutSearch(layout, step, peak, tried, time.perf_counter() - t0)
+    return LayoutSearch(layout, step, peak, tried, time.perf_counter() - t0, pricer.templates)
+
+
+def walk_degrees(by_degree: list[list[Layout]], price: Callable) -> tuple | None:
+    """The fastest of one tp's pipeline degrees (ascending): `price(layouts)` gives the
+    fastest (step, peak, layout) of a degree or None; the walk stops after `PATIENCE`
+    consecutive priced degrees slower than the best so far."""
+    best, worse = None, 0
+    for layouts in by_degree:
+        found = price(layouts)
+        if found is None:
+            continue
+        if best is not None and found[0] >= best[0]:
+            worse += 1
+            if worse >= PATIENCE:
+                break
+            continue
+        best, worse = found, 0
+    return best
 
 
 def _price_all(pricer: _Pricer, layouts, schedule, tried) -> tuple[float, float, Layout] | None:
@@ -200,8 +220,14 @@ def _price_all(pricer: _Pricer, layouts, schedule, tried) -> tuple[float, float,
             found = pricer.price(layout, schedule)
         except (MemoryInfeasible, ValueError) as exc:
             tried[layout.key] = f"infeasible: {str(exc).splitlines()[0][:100]}"
+            candidate(layout.key, None)
             break
+        except SolverTimeout as exc:  # unknown, not infeasible: the next count may solve
+            tried[layout.key] = f"no solution: {str(exc)[:60]}"
+            candidate(layout.key, None)
+            continue
         tried[found[2].key] = found[0]
+        candidate(found[2].key, found[0])
         if best is None or found[0] < best[0]:
             best = found
     return best

@@ -18,7 +18,10 @@ those of the plan's local shards on the stage mesh. The step, as the runtime run
   back into the producer's spec if redistributed), summed into a new buffer when a value
   has two readers; output gradients and saved values freed after their last reader; a
   parameter's complete gradient cast to the reduce dtype and reduced out of place into its
-  storage (or reduce-scattered into the ZeRO flat shard);
+  storage (or reduce-scattered into the ZeRO flat shard), in `passes.comm`'s buckets
+  (`search.fused_comm`: a bucket's gradients held until it closes, then concatenated);
+* fused gathers (`search.fused_comm`): a layer's gathered weights all made when the first
+  is needed, the fused collective's flat result alive while they are copied out;
 * levers (`Plan.memory`): a recomputed layer keeps what `recomputed(policy, op)` keeps
   and its outputs; the rest is made again before its first backward reader (or before
   that of a recomputed value computed from it) as `passes.recompute` emits it; a layer in
@@ -48,6 +51,9 @@ from autopar.capture.recompute_policy import recomputed
 from autopar.cost_models.memory import local_shape
 from autopar.plan import MEMORY_CATEGORIES as CATEGORIES
 from autopar.plan import Plan, parse_spec
+from autopar.search.fused_comm import Buckets, alloc_gathered, gather_groups
+from autopar.search.fused_comm import num_outputs as _num_outputs
+from autopar.search.fused_comm import resolve as _resolve
 from autopar.search.param_state import Param, hold, optimizer_update, reduce_param_grad
 from autopar.search.probe import NodeProbe, probe_graph
 
@@ -111,6 +117,10 @@ class _Step:
         # a pipeline stage's AOTAutograd backward: the saved tensors are its inputs, held
         # by the autograd node until it returns; it reduces the gradients at its end
         self.aot = False
+        self.recompute: set[object] = set()  # storages made again in backward
+        self.comm_bytes: dict[object, float] = {}  # a fused layer gather's member sizes
+        self.groups: dict[object, tuple[object, ...]] = {}  # member -> its layer's members
+        self.scattered: set[tuple[str, int]] = set()  # values whose gradient is bucketed
 
     # ---- sizes --------------------------------------------------------------------------
     def value_bytes(self, node: fx.Node, index: int, spec=None) -> float:
@@ -216,11 +226,6 @@ def _resolve_node(n: fx.Node) -> tuple[str, int]:
     return n.name, 0
 
 
-def _num_outputs(n: fx.Node) -> int:
-    val = n.meta.get("val")
-    return len(val) if isinstance(val, (tuple, list)) else 1
-
-
 def _recompute_sets(step: _Step) -> set[object]:
     """Storage keys a backward reads that the plan's levers do not keep (recomputed)."""
     memory = step.plan.memory
@@ -322,7 +327,7 @@ def _forward(step: _Step) -> None:
             key = step.in_keys[n.name][k]
             if isinstance(key, tuple) and key[0] == "comm":
                 nbytes = step.value_bytes(*_resolve(op), step.input_spec(n, pos))
-                live.alloc(key, nbytes, "communication")
+                alloc_gathered(step, key, nbytes)
         for j, key in step.out_keys[n.name].items():
             if j not in probe.view_of:
                 extra = probe.extra_saved if j == 0 else 0.0
@@ -331,19 +336,13 @@ def _forward(step: _Step) -> None:
             live.free(key)
 
 
-def _resolve(op) -> tuple[fx.Node, int]:
-    node, index = op.producer, op.output_index or 0
-    if node.op == "call_function" and node.target is operator.getitem:
-        node, index = node.args[0], node.args[1]
-    return node, index
-
-
 def _backward(step: _Step, again: dict, param_bytes: dict[str, Param]) -> None:
     """Reverse order: recompute, gradients of inputs (summed, moved back), frees."""
     live, two_n = step.live, 2 * len(step.nodes)
     grads: dict[tuple[str, int], object] = {}
     pending: dict[tuple[str, int], int] = {}
     done: list[tuple[str, object]] = []  # complete parameter gradients, not yet reduced
+    buckets = Buckets(step)
     for n in step.nodes:
         for k in step.probes[n.name].grad_inputs:
             v = step.value(tensor_operands(n)[k][1])
@@ -356,7 +355,10 @@ def _backward(step: _Step, again: dict, param_bytes: dict[str, Param]) -> None:
         n, t = step.nodes[i], two_n - i
         probe = step.probes[n.name]
         for key, dies in again.get(t, ()):
-            live.alloc(key, live.sizes.get(key, 0.0), "activations")
+            if key in step.groups:
+                alloc_gathered(step, key, live.sizes.get(key, 0.0), again=True)
+            else:
+                live.alloc(key, live.sizes.get(key, 0.0), "activations")
             step.dies_at.setdefault(dies, []).append(key)
         ops = tensor_operands(n)
         passed = set()
@@ -374,8 +376,12 @@ def _backward(step: _Step, again: dict, param_bytes: dict[str, Param]) -> None:
                 )
                 if step.redistributed(n, pos, op):
                     moved = ("gradcomm", n.name, k)
-                    live.alloc(moved, step.value_bytes(*_resolve(op)), "communication")
-                    live.free(key)
+                    if v in step.scattered and not step.aot:  # a bucketed reduce-scatter
+                        buckets.hold(("scatter",), None, key, live.sizes.get(key, 0.0))
+                        buckets.deferred.add(moved)
+                    else:
+                        live.alloc(moved, step.value_bytes(*_resolve(op)), "communication")
+                        live.free(key)
                     key = moved
             if v in grads:  # a second reader's gradient: summed into a new buffer
                 total = ("gradsum", n.name, k)
@@ -388,13 +394,14 @@ def _backward(step: _Step, again: dict, param_bytes: dict[str, Param]) -> None:
             if pending[v] == 0 and v[0] in param_bytes:
                 done.append((v[0], grads.pop(v)))
                 if not step.aot:
-                    reduce_param_grad(step, *done.pop(), param_bytes[v[0]])
+                    buckets.add(*done.pop(), param_bytes[v[0]])
         for j in range(_num_outputs(n)):
             key = grads.pop((n.name, j), None)
             if key is not None and j not in passed:
                 live.free(key)
         for key in step.dies_at.get(t, ()):
             live.free(key)
+    buckets.close_all()
     for name, partial in done:  # a pipeline stage's backward program reduces at its end
         reduce_param_grad(step, name, partial, param_bytes[name])
 
@@ -422,6 +429,8 @@ def simulate_step(
         if op.producer.op == "placeholder"
     }
     recompute = _recompute_sets(step)
+    step.recompute = recompute
+    step.groups = gather_groups(step)
     death, again = _deaths(step, recompute)
     mem = plan.memory
     casts = mem.param_dtype is not None and not mem.shard_optimizer  # die after last use

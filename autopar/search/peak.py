@@ -34,12 +34,13 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import torch
 import torch.fx as fx
 
 from autopar.capture import Captured
 from autopar.capture.analysis import batch_dependent, layer_order
 from autopar.capture.export import layer_of
-from autopar.cost_models.memory import local_shape
+from autopar.cost_models.memory import local_shape, replicas
 from autopar.plan import Plan, parse_spec, stage_ranks
 from autopar.search.liveness import (
     CATEGORIES,
@@ -84,33 +85,83 @@ def predict_peak_per_rank(
     out = []
     for rank in range(pipe.pp):
         mine = [s for s in range(n) if owners[s] == rank]
-        sims = []
+        sims, grads = [], []
         for s in mine:
             later = frozenset(x for t in range(s + 1, n) for x in stages[t])
             sims.append(
                 simulate_step(captured, plan, stages[s], probes, optimizer_states, foreach, later)
             )
-        out.append(_combine(sims, timeline.in_flight[rank], pipe.microbatches, batch))
+            grads.append(stage_gradients(captured, plan, stages[s]))
+        out.append(_combine(sims, grads, timeline.in_flight[rank], pipe.microbatches, batch))
     return out
 
 
-def _combine(sims: list[PeakMemory], in_flight: int, microbatches: int, batch: float) -> PeakMemory:
-    """A pipeline rank's peak from its stages' one-microbatch simulations: the larger of
-    the first backward (k - 1 other microbatches in flight, no gradient accumulated yet)
-    and the last (nothing else in flight, every earlier microbatch's gradients held)."""
+def stage_gradients(captured: Captured, plan: Plan, nodes: list[fx.Node]) -> tuple[float, ...]:
+    """(accumulated, shards, bucket): what a stage's gradient reduction after the last
+    microbatch holds, as `runtime.pipeline` runs it. Per parameter of N local elements,
+    R replicas, compute itemsize c, master itemsize m (4 under the policy), reduce
+    itemsize d: the microbatches accumulate N*m (ZeRO: N*c, the working dtype);
+    `sync_gradients` flattens the replicated ones into one buffer per set of axes and
+    all-reduces it in place (bucket: the largest, sum N*d); ZeRO's `scatter_gradients`
+    copies all into an R x ceil(N/R) buffer per set of axes (bucket: sum R*ceil(N/R)*d)
+    and keeps the flat shards (sum ceil(N/R)*m)."""
+    mem, mesh = plan.memory, plan.stage_mesh_shape
+    names = {a.name for n in nodes for a in [n, *n.all_input_nodes] if a.op == "placeholder"}
+    accumulated = shards = 0.0
+    buckets: dict[tuple, float] = {}
+    for name in sorted(names & set(captured.params)):
+        val = next(p for p in captured.placeholders() if p.name == name).meta["val"]
+        spec = parse_spec(plan.tensor(name).spec)
+        numel = math.prod(local_shape(tuple(val.shape), spec, mesh))
+        c = val.dtype.itemsize
+        m = 4 if mem.param_dtype else c
+        d = getattr(torch, mem.reduce_dtype or "float32").itemsize if mem.param_dtype else m
+        axes = tuple(
+            a for a, (q, k) in enumerate(zip(spec, mesh, strict=True)) if q.is_replicate() and k > 1
+        )
+        r = replicas(spec, mesh)
+        if mem.shard_optimizer:
+            accumulated += numel * c
+            shards += -(-numel // r) * m
+            buckets[axes] = buckets.get(axes, 0.0) + -(-numel // r) * r * d
+        else:
+            accumulated += numel * m
+            if axes:
+                buckets[axes] = buckets.get(axes, 0.0) + numel * d
+    return accumulated, shards, max(buckets.values(), default=0.0)
+
+
+def _combine(
+    sims: list[PeakMemory],
+    grads: list[tuple[float, ...]],
+    in_flight: int,
+    microbatches: int,
+    batch: float,
+) -> PeakMemory:
+    """A pipeline rank's peak from its stages' one-microbatch simulations: the largest of
+    the first backward (k - 1 other microbatches in flight, no gradient accumulated yet),
+    the last (nothing else in flight, every earlier microbatch's gradients held) and the
+    gradient reduction after it (`stage_gradients`: the state, the accumulated gradients,
+    the flat shards made so far and one bucket)."""
     first = dict.fromkeys(CATEGORIES, 0.0)
     last = dict.fromkeys(CATEGORIES, 0.0)
-    for p in sims:
+    sync = dict.fromkeys(CATEGORIES, 0.0)
+    for p, (accumulated, shards, bucket) in zip(sims, grads, strict=True):
         for c, b in p.breakdown.items():
             first[c] += b
             last[c] += b
         first["activations"] += (max(in_flight, 1) - 1) * p.kept
         if microbatches > 1:
-            last["gradients"] += max(p.gradients - p.breakdown["gradients"], 0.0)
+            last["gradients"] += max(accumulated - p.breakdown["gradients"], 0.0)
+        for c in ("parameters", "optimizer_state", "buffers"):
+            sync[c] += p.breakdown[c]
+        sync["gradients"] += accumulated + shards
+        sync["communication"] = max(sync["communication"], bucket)
     # the batch: simulated as one microbatch's shard (and global) on the stages reading it
     for total in (first, last):
         total["activations"] += batch - sum(p.batch for p in sims)
-    total = max(first, last, key=lambda t: sum(t.values()))
+    sync["activations"] += batch
+    total = max(first, last, sync, key=lambda t: sum(t.values()))
     return PeakMemory(sum(total.values()), total, sims[0].phase if sims else "forward")
 
 

@@ -1,7 +1,7 @@
 """Search options and the pins they put on placeholder placements.
 
-`strategy` names a role per mesh axis ("dp", "fsdp", "tp", "auto"); one name applies to
-every axis. A role pins only what defines it and leaves the rest to the ILP:
+`strategy` names a role per mesh axis ("dp", "fsdp", "tp", "sp", "cp", "ep", "auto"); one
+name applies to every axis. A role pins only what defines it and leaves the rest to the ILP:
 
     dp    user inputs Shard(0) (batch) on the axis; parameters Replicate; every tensor
           computed from the batch stays batch-sharded on the axis (else gathering the batch
@@ -11,6 +11,15 @@ every axis. A role pins only what defines it and leaves the rest to the ILP:
           column or row, is the ILP's choice); every matmul computed from the batch split
           over features on the axis (else token-splitting with gathered weights, i.e. FSDP,
           would pass for "TP")
+    sp    tp, and every norm computed from the batch (its row statistic, `rules.sequence.
+          NORM_OPS`) sequence-sharded on the axis: Megatron-SP (reduce-scatter into the
+          norm region, all-gather out of it)
+    cp    user inputs Shard(1) (sequence); parameters Replicate; every attention computed
+          from the batch splits its queries on the sequence (`rules.attention`: K/V
+          all-gathered); the rest is the ILP's
+    ep    as dp, but stacked expert weights (3-D parameters `[E, ...]`) Shard(0): the
+          expert matmuls run on the local experts, dispatched tokens reach them by an
+          all-to-all (token-split Shard(1) -> expert-split Shard(0) of `[E, G*C, d]`)
     auto  nothing pinned
 
 `placements` pins single parameters (or inputs) by name: {"lm_head.weight": "S(0),R"}.
@@ -32,6 +41,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autopar.capture import Captured
 from autopar.options import ROLES, PlanOptions
 from autopar.passes.strategies import NodeStrategy
+from autopar.passes.strategies.rules.sequence import is_norm, seq_sharded
 from autopar.plan import parse_spec, spec_str
 
 aten = torch.ops.aten
@@ -139,16 +149,22 @@ def _pin_compute(
     captured: Captured, strats: dict[fx.Node, list[NodeStrategy]], roles: tuple[str, ...]
 ) -> None:
     """dp/fsdp axes keep every batch-derived tensor batch-sharded (Shard(0); a 0-d loss may be
-    Partial); tp axes split every batch-derived matmul over its features (column: output
-    Shard(last), row: Partial). A node with no such strategy keeps its choices."""
+    Partial); tp (and sp) axes split every batch-derived matmul over its features (column:
+    output Shard(last), row: Partial); sp axes also shard every norm on the sequence dim;
+    cp axes split every attention's queries on the sequence.
+    A node with no such strategy keeps its choices."""
     for n in _batch_derived(captured):
         if n not in strats or n.op != "call_function":
             continue
         for axis, role in enumerate(roles):
-            if role in ("dp", "fsdp"):
+            if axis_role_is_data(role):
                 keep = [s for s in strats[n] if _batch_sharded(s, n, axis)]
-            elif role == "tp" and n.target in MATMULS:
+            elif role in ("tp", "sp") and n.target in MATMULS:
                 keep = [s for s in strats[n] if _feature_split(s, axis)]
+            elif role == "cp" and n.target == aten.scaled_dot_product_attention.default:
+                keep = [s for s in strats[n] if s.outputs[0] and s.outputs[0][axis] == Shard(2)]
+            elif role == "sp" and is_norm(str(n.target).removeprefix("aten.")):
+                keep = [s for s in strats[n] if _seq_split(s, n, axis)]
             else:
                 continue
             if keep:
@@ -165,6 +181,14 @@ def _batch_sharded(s: NodeStrategy, n: fx.Node, axis: int) -> bool:
         if not (p == Shard(0) or (val.ndim == 0 and p.is_partial())):
             return False
     return True
+
+
+def _seq_split(s: NodeStrategy, n: fx.Node, axis: int) -> bool:
+    """The norm's (first) output is split on a sequence-like dim on `axis`."""
+    val = n.meta["val"]
+    val = val[0] if isinstance(val, (tuple, list)) else val
+    out = s.outputs[0] if s.outputs else None
+    return out is not None and seq_sharded(out[axis], val.ndim)
 
 
 def _feature_split(s: NodeStrategy, axis: int) -> bool:
@@ -192,21 +216,30 @@ def _batch_derived(captured: Captured) -> list[fx.Node]:
     return [n for n in captured.gm.graph.nodes if n in seen]
 
 
+def axis_role_is_data(role: str) -> bool:
+    """Roles that split the batch on their axis (and keep batch-derived tensors split)."""
+    return role in ("dp", "fsdp", "ep")
+
+
 def _allowed(spec: Sequence, role: str | None, roles: tuple[str, ...], n: fx.Node) -> bool:
     val = n.meta.get("val")
     ndim = val.ndim if isinstance(val, torch.Tensor) else 0
     for p, axis_role in zip(spec, roles, strict=True):
         if role == "input":
-            if axis_role in ("dp", "fsdp") and p != Shard(0):
+            if axis_role_is_data(axis_role) and p != Shard(0):
                 return False
-            if axis_role == "tp" and p != Replicate():
+            if axis_role in ("tp", "sp") and p != Replicate():
+                return False
+            if axis_role == "cp" and p != Shard(1):
                 return False
         elif role == "param":
-            if axis_role == "dp" and p != Replicate():
+            if axis_role in ("dp", "cp") and p != Replicate():
+                return False
+            if axis_role == "ep" and p != (Shard(0) if ndim == 3 else Replicate()):
                 return False
             if axis_role == "fsdp" and p != Shard(0) and _divisible(val, 0, spec, n):
                 return False
-            if axis_role == "tp" and ndim >= 2 and not isinstance(p, Shard):
+            if axis_role in ("tp", "sp") and ndim >= 2 and not isinstance(p, Shard):
                 return False
     return True
 

@@ -81,6 +81,8 @@ class ParityResult:
     grad_err: float = 0.0  # max |g - g_ref| / (|g_ref|_max + tiny), over params and steps
     grad_abs_err: float = 0.0
     param_err: float = 0.0  # max |p - p_ref| after the last step
+    # max |b - b_ref| over the buffers after the last step (BatchNorm statistics, counters)
+    buffer_err: float = 0.0
     ddp_param_err: float = 0.0
     roles: dict[str, str] = field(default_factory=dict)
     param_specs: dict[str, str] = field(default_factory=dict)
@@ -137,6 +139,7 @@ def _merge(results: list[ParityResult]) -> ParityResult:
         out.grad_err = max(out.grad_err, r.grad_err)
         out.grad_abs_err = max(out.grad_abs_err, r.grad_abs_err)
         out.param_err = max(out.param_err, r.param_err)
+        out.buffer_err = max(out.buffer_err, r.buffer_err)
         out.error = out.error or r.error
     return out
 
@@ -184,6 +187,8 @@ def ddp_param_error(model, batch, steps: int, ref_params) -> float:
     """How far torch's DDP (world = all ranks, batch split on dim 0) lands from the reference."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    if batch[0].shape[0] % dist.get_world_size():
+        return float("nan")  # DDP averages equal shards only: no yardstick for this batch
     device = _rank_device()
     local = copy.deepcopy(model).to(device)
     ddp = DDP(local, device_ids=[device.index] if device.type == "cuda" else None)
@@ -342,6 +347,10 @@ def run_case(case: ParityCase) -> ParityResult:
     full = pm.full_state_dict()
     full = {k: v.cpu() for k, v in full.items()}  # the reference trains on the CPU
     res.param_err = max((full[k] - v).abs().max().item() for k, v in ref.state.items())
+    buffers = {k for k, _ in model.named_buffers()} & set(ref.state)
+    res.buffer_err = max(
+        ((full[k] - ref.state[k]).abs().max().item() for k in buffers), default=0.0
+    )
     res.ddp_param_err = ddp_param_error(model, batch, case.steps, ref.state)
     if case.mixed_precision:
         ref32 = train_single_device(model, batch, case.steps, grads=False)

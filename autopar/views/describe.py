@@ -5,8 +5,13 @@ Axis roles are derived from placements, never stored: on each mesh axis,
 - most matmuls split over tokens (output Shard(0)), parameters stored replicated -> "dp"
 - the same with most parameter bytes stored sharded (gathered for use)          -> "fsdp"
 - matmuls split over features (output Shard(1) or Partial: column/row parallel) -> "tp"
-  (+ "sp" when norms run sharded on the sequence dim there)
+  (+ "sp" when norms run sharded on the sequence dim there: LayerNorm, RMSNorm fused or
+  decomposed, by the op computing the row statistic, `rules.sequence.NORM_OPS`)
 - nothing split                                                                 -> "replicated"
+- attention queries split on the sequence (context parallel, `rules.attention`) -> "cp"
+  (or "<role>+cp" when the axis plays another role too)
+- stacked expert weights (3-D parameters read by batched matmuls) stored split on their
+  expert dim 0                                                                  -> "+ep"
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from collections import Counter
 
 from torch.distributed.tensor import Shard
 
-from autopar.plan import Plan, parse_spec
+from autopar.passes.strategies.rules.sequence import is_norm, seq_sharded
+from autopar.plan import NodePlan, Plan, parse_spec
+from autopar.views.layers import axis_traffic, fmt_bytes
 
 
 def axis_roles(plan: Plan) -> list[str]:
@@ -26,12 +33,43 @@ MATMUL_OPS = ("mm.default", "addmm.default")
 
 
 def _axis_role(plan: Plan, axis: int) -> str:
+    role = _base_role(plan, axis)
+    if context_parallel_attention(plan, axis):
+        role = "cp" if role in ("replicated", "dp") else role + "+cp"
+    if expert_sharded(plan, axis):
+        role = "ep" if role == "replicated" else role + "+ep"
+    return role
+
+
+def expert_sharded(plan: Plan, axis: int) -> list[str]:
+    """Stacked expert weights (3-D parameters `[E, ...]`) stored Shard(0) on `axis`."""
+    return [
+        t.fqn
+        for t in plan.tensors
+        if t.kind == "param" and len(t.shape) == 3 and t.spec.split(",")[axis] == "S(0)"
+    ]
+
+
+def context_parallel_attention(plan: Plan, axis: int) -> list[NodePlan]:
+    """Attention nodes whose queries (first input) are sequence-split on `axis`."""
+    return [
+        n
+        for n in plan.nodes
+        if n.op.startswith("scaled_dot_product_attention")
+        and n.inputs
+        and n.inputs[0]
+        and n.inputs[0].split(",")[axis] == "S(2)"
+    ]
+
+
+def _base_role(plan: Plan, axis: int) -> str:
     outs = [
         n.outputs[0].split(",")[axis]
         for n in plan.nodes
         if n.op in MATMUL_OPS and n.outputs and n.outputs[0]
     ]
-    params = [t for t in plan.tensors if t.kind == "param"]
+    experts = set(expert_sharded(plan, axis))  # EP, named apart (`_axis_role`)
+    params = [t for t in plan.tensors if t.kind == "param" and t.fqn not in experts]
     sharded = sum(_numel(t.shape) for t in params if isinstance(parse_spec(t.spec)[axis], Shard))
     total = sum(_numel(t.shape) for t in params) or 1
     data = sum(o == "S(0)" for o in outs)
@@ -44,11 +82,18 @@ def _axis_role(plan: Plan, axis: int) -> str:
 
 
 def _seq_sharded(plan: Plan, axis: int) -> bool:
-    return any(
-        o is not None and o.split(",")[axis] == "S(1)" and n.op.startswith("native_layer")
-        for n in plan.nodes
-        for o in n.outputs[:1]
-    )
+    return bool(seq_sharded_norms(plan, axis))
+
+
+def seq_sharded_norms(plan: Plan, axis: int) -> list[NodePlan]:
+    """The norms (row-statistic nodes) whose output is sequence-sharded on `axis`."""
+    out = []
+    for n in plan.nodes:
+        if not (is_norm(n.op) and n.outputs and n.outputs[0] and n.shapes and n.shapes[0]):
+            continue
+        if seq_sharded(n.outputs[0].split(",")[axis], len(n.shapes[0])):
+            out.append(n)
+    return out
 
 
 def _numel(shape) -> int:
@@ -120,6 +165,7 @@ def summary(plan: Plan) -> str:
         + ", ".join(f"{spec}×{n}" for spec, n in Counter(d["parameters"].values()).most_common()),
         "inputs: " + ", ".join(f"{k}={v}" for k, v in d["inputs"].items()),
     ]
+    lines += parallelism_lines(plan)
     lines.append("memory levers: " + memory_levers(plan))
     if plan.pipeline is not None:
         lines += _pipeline_lines(plan, d)
@@ -131,6 +177,32 @@ def summary(plan: Plan) -> str:
             f"{s.get('edges')} edges; search {s.get('search_time_s', 0):.2f}s)"
         )
     return "\n".join(lines)
+
+
+def parallelism_lines(plan: Plan) -> list[str]:
+    """One line per axis that splits the sequence or the experts: sequence-parallel norms
+    (SP), context-parallel attention (CP, K/V all-gathered), expert-parallel weights (EP),
+    and the collectives on that axis per step (forward edges; backward runs their
+    transposes: all-gather <-> reduce-scatter, all-to-all back)."""
+    lines = []
+    traffic = None
+    norms_total = sum(is_norm(n.op) for n in plan.nodes)
+    attn_total = sum(n.op.startswith("scaled_dot_product_attention") for n in plan.nodes)
+    experts_total = sum(t.kind == "param" and len(t.shape) == 3 for t in plan.tensors)
+    for axis, name in enumerate(plan.stage_axis_names):
+        norms, attn = seq_sharded_norms(plan, axis), context_parallel_attention(plan, axis)
+        experts = expert_sharded(plan, axis)
+        parts = [f"SP norms {len(norms)}/{norms_total}"] if norms else []
+        if attn:
+            parts.append(f"CP attention {len(attn)}/{attn_total} (K/V all-gathered)")
+        if experts:
+            parts.append(f"EP expert weights {len(experts)}/{experts_total}")
+        if not parts:
+            continue
+        traffic = axis_traffic(plan) if traffic is None else traffic
+        moved = ", ".join(f"{k} {fmt_bytes(b)}" for k, b in sorted(traffic.get(name, {}).items()))
+        lines.append(f"{name}: {', '.join(parts)}; forward traffic per step {moved or 'none'}")
+    return lines
 
 
 def memory_levers(plan: Plan) -> str:

@@ -95,6 +95,28 @@ def fmt_bytes(nbytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+def edge_steps(
+    src: str, dst: str, shape: Sequence[int] | None, dtype: str | None, mesh_shape: Sequence[int]
+) -> list[tuple[int, Collective | None, float]]:
+    """(axis, collective, bytes) per step DTensor takes from `src` to `dst` (local steps left
+    out; collective None: a step DTensor cannot take). Bytes are those of the tensor
+    unsharded over that step's axis (the cost model's convention), 0 when `shape` is
+    unknown."""
+    out: list[tuple[int, Collective | None, float]] = []
+    itemsize = getattr(torch, dtype).itemsize if dtype else 0
+    for axis, before, cur, tgt in redistribute_plan(parse_spec(src), parse_spec(dst), mesh_shape):
+        kind = transition_kind(cur, tgt)
+        if kind is Collective.LOCAL:
+            continue
+        nbytes = 0.0
+        if shape is not None and itemsize:
+            full = list(before)
+            full[axis] = Replicate()
+            nbytes = float(local_numel(shape, full, mesh_shape) * itemsize)
+        out.append((axis, kind, nbytes))
+    return out
+
+
 def edge_collectives(
     src: str,
     dst: str,
@@ -109,20 +131,34 @@ def edge_collectives(
     convention); they are left out when `shape` is unknown.
     """
     parts = []
-    itemsize = getattr(torch, dtype).itemsize if dtype else 0
-    for axis, before, cur, tgt in redistribute_plan(parse_spec(src), parse_spec(dst), mesh_shape):
-        kind = transition_kind(cur, tgt)
+    for axis, kind, nbytes in edge_steps(src, dst, shape, dtype, mesh_shape):
         if kind is None:
             return f"{src}→{dst} unsupported"
-        if kind is Collective.LOCAL:
-            continue
         text = f"{kind}@{axis_names[axis]}"
-        if shape is not None and itemsize:
-            full = list(before)
-            full[axis] = Replicate()
-            text += f" {fmt_bytes(local_numel(shape, full, mesh_shape) * itemsize)}"
+        if nbytes:
+            text += f" {fmt_bytes(nbytes)}"
         parts.append(text)
     return f"{src}→{dst} " + (", ".join(parts) or "local")
+
+
+def axis_traffic(plan: Plan) -> dict[str, dict[str, float]]:
+    """Bytes per mesh axis and collective kind over the forward edges of one step (the
+    backward runs the transposed collectives: all-gather <-> reduce-scatter, all-to-all
+    back)."""
+    produced = producers(plan)
+    out: dict[str, dict[str, float]] = {}
+    for node in plan.nodes:
+        for producer, dst in zip(node.args, node.inputs, strict=False):
+            src = produced.get(producer) if producer else None
+            if src is None or src.spec is None or dst is None or src.spec == dst:
+                continue
+            steps = edge_steps(src.spec, dst, src.shape, src.dtype, plan.stage_mesh_shape)
+            for axis, kind, nbytes in steps:
+                if kind is None:  # no collective to name (the node tables say "unsupported")
+                    continue
+                per_axis = out.setdefault(plan.stage_axis_names[axis], {})
+                per_axis[str(kind)] = per_axis.get(str(kind), 0.0) + nbytes
+    return out
 
 
 @dataclass(frozen=True, slots=True)

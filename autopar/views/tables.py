@@ -15,7 +15,13 @@ from rich.table import Table
 
 from autopar.cluster import Cluster
 from autopar.plan import Plan
-from autopar.views.describe import axis_roles, describe, memory_levers, timeline_lines
+from autopar.views.describe import (
+    axis_roles,
+    describe,
+    memory_levers,
+    parallelism_lines,
+    timeline_lines,
+)
 from autopar.views.layers import (
     LayerGroup,
     Produced,
@@ -61,6 +67,10 @@ def header_table(plan: Plan) -> Table:
         "peak memory": f"{fmt_bytes(peak)} per device (predicted, "
         f"{100 * peak / cluster.device.memory_bytes:.1f}% of "
         f"{cluster.device.memory_bytes / _GiB:.0f} GiB)",
+        **{
+            f"split on {axis}": text
+            for axis, text in (line.split(": ", 1) for line in parallelism_lines(plan))
+        },
         "memory levers": memory_levers(plan),
         "parameters": f"{len(params)} tensors, {numel / 1e6:.2f} M elements; "
         + ", ".join(f"{s}×{k}" for s, k in Counter(t.spec for t in params).most_common()),

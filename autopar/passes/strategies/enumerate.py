@@ -3,16 +3,19 @@
 Nodes are visited in graph (topological) order. Per node kind:
 
 * placeholder / get_attr holding a tensor: one strategy per *storage* spec, i.e. every
-  product over mesh axes of ``{R} ∪ {S(d) : d a dim}`` that divides evenly; ``inputs=()``.
+  product over mesh axes of ``{R} ∪ {S(d) : d a dim}`` (``torch.chunk`` shards, the last
+  smaller or empty: a vocabulary of 97 shards over 4); ``inputs=()``.
 * ``operator.getitem`` of a multi-output node: exactly one strategy per strategy of the
   producer, in the same order (``strategies[getitem][i]`` belongs to
   ``strategies[producer][i]``), with input and output both the producer's output spec at
   that index. The search can therefore tie a getitem's choice to its producer's.
 * call_function with no tensor input (arange, full, scalar_tensor, ...): all-Replicate.
 * an op with an autopar rule (``rules/``): the rule's strategies.
-* any other op: DTensor's registry (:mod:`.from_dtensor`); an op DTensor cannot handle
-  gets only the all-Replicate strategy (a warning once per op and enumeration, naming the
-  user's source line).
+* any other op: DTensor's registry (:mod:`.from_dtensor`); an op whose DTensor sources
+  reject every sharding of its arguments gets only the all-Replicate strategy (a warning
+  once per op and enumeration, naming the user's source line); an op DTensor does not know
+  at all stops planning with one ``UnsupportedOpError`` (a ValueError) naming the op and
+  the user's source line, rather than failing on every rank at run time.
 
 Every call_function node's list contains the all-Replicate strategy (all tensor inputs
 and outputs ``R``), first; duplicates are removed. Nodes that produce no tensor and are
@@ -38,6 +41,7 @@ from autopar.passes.strategies.from_dtensor import (
     dtensor_enumeration,
     dtensor_strategies,
     report_replicated,
+    unsupported_op,
 )
 from autopar.passes.strategies.rules import get_rule, register_dtensor_rules
 from autopar.passes.strategies.spec import (
@@ -50,12 +54,12 @@ from autopar.passes.strategies.spec import (
 
 
 def storage_specs(shape: torch.Size, mesh_shape: tuple[int, ...]) -> list[Spec]:
-    """Every evenly dividing product over axes of {R} ∪ {S(d)}, all-Replicate first."""
+    """Every product over axes of {R} ∪ {S(d)} (uneven shards kept), all-Replicate first."""
     per_axis: list[Placement] = [Replicate(), *(Shard(d) for d in range(len(shape)))]
     return [
         spec
         for spec in itertools.product(per_axis, repeat=len(mesh_shape))
-        if is_valid_spec(spec, shape, mesh_shape)
+        if is_valid_spec(spec, shape, mesh_shape, storage=True)
     ]
 
 
@@ -107,6 +111,8 @@ def _op_strategies(
         found = rule(node, mesh)
     else:
         found = dtensor_strategies(node, mesh, _candidates(node, table, mesh.ndim))
+        if found is None:
+            raise unsupported_op(node)
         if not found:
             report_replicated(node)
     return _dedup([rep, *found])

@@ -18,16 +18,18 @@ Three sources, tried in this order by :func:`dtensor_strategies`:
    placement.
 
 Every result is filtered by :func:`~autopar.passes.strategies.spec.is_valid_spec` (no
-strided shards, no max/min partials, avg only on 0-d tensors, even division). Strategy
+strided shards, no max/min partials, avg only on 0-d tensors, torch.chunk shards). Strategy
 functions also price every (candidate, strategy) pair with DTensor's redistribute-cost
 model, quadratic in the candidates; :func:`dtensor_enumeration` turns that off while
 enumerating (the search prices resharding with autopar's own cost model).
 
 DTensor is reached only through :mod:`autopar._compat`. A source that rejects the node's
 arguments with one of :data:`~autopar._compat.NO_STRATEGY_ERRORS` contributes nothing; any
-other exception is a bug and propagates. An op left with no strategy is planned replicated
-and reported by :func:`report_replicated`, once per op and per enumeration, with the user's
-source line.
+other exception is a bug and propagates. An op DTensor knows (a rule, a strategy function
+or a decomposition) whose sources all reject the node's arguments is planned replicated and
+reported by :func:`report_replicated`, once per op and per enumeration, with the user's
+source line. An op DTensor does not know at all (:func:`dtensor_strategies` returns None)
+cannot run on DTensors even replicated: planning stops with :class:`UnsupportedOpError`.
 """
 
 from __future__ import annotations
@@ -134,6 +136,21 @@ def source_line(node: fx.Node) -> str:
     return f"\n  at {path}:{line}: {code}"
 
 
+class UnsupportedOpError(ValueError):
+    """An op of the model has no sharding strategy (no autopar rule, nothing in DTensor)."""
+
+
+def unsupported_op(node: fx.Node) -> UnsupportedOpError:
+    """The planning-time error for ``node``'s op, naming it and the user's source line."""
+    return UnsupportedOpError(
+        f"autopar cannot plan {node.target}: it has no sharding strategy (no autopar rule "
+        f"and none in DTensor's registry, not even a decomposition){source_line(node)}\n"
+        "Fix: write the model with ops DTensor supports, register a strategy for the op "
+        "(autopar.passes.strategies.register_rule and DTensor's register_op_strategy), or "
+        "give a custom op a decomposition into supported ops."
+    )
+
+
 def tensor_meta(val: torch.Tensor) -> TensorMeta:
     return TensorMeta(shape=val.shape, stride=val.stride(), dtype=val.dtype)
 
@@ -173,24 +190,33 @@ def make_strategy(
     inputs: Sequence[Spec | None],
     outputs: Sequence[Spec | None],
     mesh_shape: Sequence[int],
+    even: bool = False,
 ) -> NodeStrategy | None:
-    """A NodeStrategy if every spec is valid for its operand's shape, else None."""
+    """A NodeStrategy if every spec is valid for its operand's shape (``even``: every
+    shard of equal size, see :func:`is_valid_spec`), else None."""
     in_shapes, out_shapes = _node_shapes(node)
     if len(inputs) != len(in_shapes) or len(outputs) != len(out_shapes):
         return None
     for spec, shape in zip((*inputs, *outputs), (*in_shapes, *out_shapes), strict=True):
-        if spec is not None and (shape is None or not is_valid_spec(spec, shape, mesh_shape)):
+        if spec is not None and (
+            shape is None or not is_valid_spec(spec, shape, mesh_shape, even=even)
+        ):
             return None
     return NodeStrategy(tuple(inputs), tuple(outputs))
 
 
 def expand_per_axis(
-    node: fx.Node, rules: Sequence[Sequence[Placement | None]], n_out: int, mesh: DeviceMesh
+    node: fx.Node,
+    rules: Sequence[Sequence[Placement | None]],
+    n_out: int,
+    mesh: DeviceMesh,
+    even: bool = True,
 ) -> list[NodeStrategy]:
     """N-D strategies from single-axis rules ``[out_0..out_{n_out-1}, in_0, ...]``.
 
     One rule per mesh axis (Cartesian product); a position that is None on any axis (a
-    masked-off output) stays None. Invalid combinations are dropped.
+    masked-off output) stays None. Invalid combinations are dropped; ``even`` (autopar's
+    own rules, whose index arithmetic assumes equal shards) also drops uneven shards.
     """
     found: list[NodeStrategy] = []
     for combo in itertools.product(rules, repeat=mesh.ndim):
@@ -198,7 +224,7 @@ def expand_per_axis(
         for pos in range(len(combo[0])):
             col = tuple(rule[pos] for rule in combo)
             specs.append(None if any(p is None for p in col) else col)  # type: ignore[misc]
-        strat = make_strategy(node, specs[n_out:], specs[:n_out], mesh.shape)
+        strat = make_strategy(node, specs[n_out:], specs[:n_out], mesh.shape, even)
         if strat is not None:
             found.append(strat)
     return found
@@ -231,7 +257,7 @@ def single_dim_strategies(node: fx.Node, mesh: DeviceMesh, info: Any) -> list[No
     outs = output_vals(node)
     replicate: list[Placement | None] = [None if v is None else Replicate() for v in outs]
     rules.insert(0, replicate + [Replicate()] * n_in)
-    return expand_per_axis(node, rules, n_out, mesh)
+    return expand_per_axis(node, rules, n_out, mesh, even=False)
 
 
 def _specs_of(spec: DTensorSpec | Sequence[DTensorSpec | None] | None, n: int) -> list:
@@ -302,8 +328,9 @@ def _seed_spec(val: torch.Tensor, mesh: DeviceMesh) -> DTensorSpec:
     return DTensorSpec(mesh, placements, tensor_meta=tensor_meta(val))
 
 
-def decomp_strategies(node: fx.Node, mesh: DeviceMesh) -> list[NodeStrategy]:
-    """Strategies found by tracing the op's decomposition (empty when there is none)."""
+def decomp_strategies(node: fx.Node, mesh: DeviceMesh) -> list[NodeStrategy] | None:
+    """Strategies found by tracing the op's decomposition ([] when DTensor rejects the
+    arguments, None when the op has no decomposition)."""
     # _map_args only wraps OpStrategy lists; DTensorSpec lists stay lists, as DTensor expects.
     args, kwargs = _map_args(node, lambda n: _seed_spec(n.meta["val"], mesh))
     try:
@@ -312,7 +339,7 @@ def decomp_strategies(node: fx.Node, mesh: DeviceMesh) -> list[NodeStrategy]:
         log.debug("DTensor's decomposition rejects %s", node.format_node(), exc_info=True)
         return []
     if result is None:
-        return []
+        return None
     n_out = len(output_vals(node))
     found = []
     for op_spec in result.strategies:
@@ -324,8 +351,12 @@ def decomp_strategies(node: fx.Node, mesh: DeviceMesh) -> list[NodeStrategy]:
     return found
 
 
-def dtensor_strategies(node: fx.Node, mesh: DeviceMesh, cands: Candidates) -> list[NodeStrategy]:
-    """Strategies for ``node`` from DTensor's registry, or [] if DTensor has none for it."""
+def dtensor_strategies(
+    node: fx.Node, mesh: DeviceMesh, cands: Candidates
+) -> list[NodeStrategy] | None:
+    """Strategies for ``node`` from DTensor's registry: [] if DTensor rejects every
+    sharding of these arguments, None if it knows nothing of the op (no rule, no strategy
+    function, no decomposition)."""
     rule = single_dim_rule(node.target)
     if rule is not None:
         return single_dim_strategies(node, mesh, rule)

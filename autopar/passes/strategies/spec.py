@@ -4,9 +4,16 @@ A *spec* is a tuple of DTensor placements, one per mesh axis. Only four kinds ap
 ``Replicate()``, ``Shard(d)``, ``Partial("sum")`` and DTensor's ``_MaskPartial`` (the
 pending masked sum of a vocab-parallel embedding), plus ``Partial("avg")`` on 0-d tensors
 only (a mean loss over a batch-sharded input). A spec is *valid* for a global shape on
-a mesh when, walking the axes in mesh order, every sharded dim's current local size divides
-evenly by that axis' size (so ``(S(0), S(0))`` on a (2, 2) mesh needs dim 0 % 4 == 0), and
-when it mixes no two kinds of partial (DTensor cannot reduce them in one step).
+a mesh when it mixes no two kinds of partial (DTensor cannot reduce them in one step) and
+every ``Shard(d)`` can split dim ``d``. Shards follow DTensor's ``torch.chunk`` semantics:
+walking the axes in mesh order, a dim of local size ``L`` split over an axis of size ``n``
+gives pieces of ``ceil(L / n)`` elements, the last ones smaller or empty (97 over 4:
+25, 25, 25, 22; 6 over 4: 2, 2, 2, 0). Costs price the largest piece (what the padded
+collectives move, :func:`autopar.cost_models.memory.local_shape`). An op's operand needs
+at least as many elements on a dim as the shards it is cut into (DTensor's
+``is_tensor_shardable``); a stored tensor (parameter, buffer, input: ``storage=True``) only
+one, so FSDP shards any weight; autopar's own rules ask for ``even=True`` (their index
+arithmetic assumes equal pieces).
 
 A :class:`NodeStrategy` is one way to run one FX node: the spec each tensor input must have
 (``inputs``, in the order of :func:`tensor_inputs`) and the spec each tensor output then has
@@ -74,9 +81,19 @@ def is_allowed(p: Placement, scalar: bool = True) -> bool:
     return type(p) is Partial and (p.reduce_op == "sum" or (scalar and p.reduce_op == "avg"))
 
 
-def is_valid_spec(spec: Spec, shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
-    """Allowed placements, even division axis by axis, at most one kind of partial."""
+def is_valid_spec(
+    spec: Spec,
+    shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    *,
+    even: bool = False,
+    storage: bool = False,
+) -> bool:
+    """Allowed placements, at most one kind of partial, and every shard splittable (see the
+    module docstring): exactly when `even`, else into ``torch.chunk`` pieces, none of them
+    empty unless `storage`."""
     local = [int(s) for s in shape]
+    pieces = [1] * len(local)  # how many shards each dim is cut into so far
     partial_kinds: set[type] = set()
     if not _mask_partial_ok(spec, len(local)):
         return False
@@ -86,9 +103,12 @@ def is_valid_spec(spec: Spec, shape: Sequence[int], mesh_shape: Sequence[int]) -
         if isinstance(p, Partial):
             partial_kinds.add(type(p))
         elif isinstance(p, Shard):
-            if p.dim >= len(local) or local[p.dim] % mesh_shape[axis]:
+            if p.dim >= len(local) or (even and local[p.dim] % mesh_shape[axis]):
                 return False
-            local[p.dim] //= mesh_shape[axis]
+            local[p.dim] = -(-local[p.dim] // mesh_shape[axis])  # the largest chunk
+            pieces[p.dim] *= mesh_shape[axis]
+            if int(shape[p.dim]) < (1 if storage else pieces[p.dim]):
+                return False  # as DTensor's is_tensor_shardable: a row per shard
     return len(partial_kinds) <= 1
 
 

@@ -45,9 +45,10 @@ def get_rule(op: object) -> Rule | None:
 
 def register_dtensor_rules() -> None:
     """Register autopar's DTensor strategies (the CPU flash-attention kernels that eager
-    DTensor programs reach from ``scaled_dot_product_attention``) into DTensor's
-    propagator. Idempotent; never run on import."""
+    DTensor programs reach from ``scaled_dot_product_attention``, BatchNorm's statistics)
+    into DTensor's propagator. Idempotent; never run on import."""
     attention.register_dtensor()
+    batch_norm.register_dtensor()
 
 
-from autopar.passes.strategies.rules import attention, fused  # noqa: E402, F401  (fill RULES)
+from autopar.passes.strategies.rules import attention, batch_norm, fused  # noqa: E402, F401  (fill RULES)

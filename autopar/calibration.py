@@ -1,0 +1,355 @@
+"""Calibrate a ``Cluster`` on the machine it runs on: short microbenchmarks -> a cluster file.
+
+Contract
+--------
+``calibrate(nproc, mesh, axis_names, backend=None, sizes="quick")`` spawns ``nproc`` local
+processes on ``backend`` (NCCL with one GPU per process where there are enough GPUs, else
+gloo: ``autopar.devices.choose_backend``), measures, and returns ``(cluster, measurements)``.
+``write_calibration`` saves both as one JSON file that ``Cluster.load(path)``,
+``autopar.plan(..., cluster=Cluster.load(path))`` and the CLI's ``--cluster path.json``
+read back. Nothing here names a device: tensors live on the process group's device
+(``autopar.devices.process_group_device``).
+
+What is measured (every rank at once, as training runs; each figure is the mean over ranks
+of the median of a few repetitions after a warm-up):
+
+* matmul ``[n,n] @ [n,n]`` per dtype over sizes (a dtype stops growing once one matmul
+  takes over ``_SLOW_S``): ``peak_flops[dtype]`` = the best achieved
+  rate (so ``matmul_efficiency = 1``: the figures are achieved ones), and the per-kernel
+  fixed time ``c`` of the fit ``t = f / peak + c`` gives ``matmul_half_flops = c * peak``
+  (``autopar.cost_models.compute``: ``f / (peak * f / (f + h)) = (f + h) / peak``);
+* memory-bound ``y = x * 2`` over sizes: ``memory_bandwidth`` = the rate of read + write at
+  the largest size (smaller ones may run from a cache);
+* ``launch_overhead``: a one-element op;
+* fused attention (``scaled_dot_product_attention``): its rate over the matmul peak is
+  ``attention_efficiency``;
+* every collective (all-reduce, all-gather, reduce-scatter, all-to-all) on every mesh axis
+  over message sizes, and point-to-point between axis neighbours. Per axis, the alpha-beta
+  link is the least-squares fit of ``t = steps * alpha + volume * B / beta`` with the cost
+  model's own ring/pairwise factors (``autopar.cost_models.comm``), ``efficiency = 1``.
+
+The fabric (what re-meshing uses) is the link of the largest axis on every axis: the
+processes are local, so every axis is inside one node.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from autopar.cluster import Cluster, DeviceSpec, Fabric, Link
+from autopar.cost_models.comm import Collective, ring_factors, volume_kind
+from autopar.devices import bind_local_device, choose_backend, process_group_device
+
+__all__ = ["SIZES", "calibrate", "write_calibration"]
+
+# sizes per mode: matmul n, memory-bound elements, collective bytes, repetitions
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {"matmul": (32, 64), "memory": (2**12, 2**14), "comm": (2**10, 2**14), "reps": 2},
+    "quick": {
+        "matmul": (64, 128, 256, 512),
+        "memory": (2**16, 2**18, 2**20, 2**22),
+        "comm": (2**10, 2**14, 2**18, 2**21),
+        "reps": 3,
+    },
+    "gpu": {
+        "matmul": (512, 1024, 2048, 4096, 8192),
+        "memory": (2**20, 2**24, 2**27),
+        "comm": (2**14, 2**20, 2**24, 2**27),
+        "reps": 5,
+    },
+}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+_SLOW_S = 0.02  # one matmul slower than this: larger sizes of its dtype are skipped
+
+
+def calibrate(
+    nproc: int,
+    mesh: Sequence[int] | None = None,
+    axis_names: Sequence[str] | None = None,
+    *,
+    backend: str | None = None,
+    sizes: str | None = None,
+    progress: bool = True,
+) -> tuple[Cluster, dict[str, Any]]:
+    """Measure ``nproc`` local processes on ``mesh`` (default ``(nproc,)`` named ``"dp"``);
+    ``sizes``: ``"tiny"``, ``"quick"`` (CPU default) or ``"gpu"`` (NCCL default)."""
+    mesh = tuple(int(s) for s in (mesh or (nproc,)))
+    names = tuple(
+        axis_names or (("dp",) if len(mesh) == 1 else [f"axis{i}" for i in range(len(mesh))])
+    )
+    if math.prod(mesh) != nproc or len(names) != len(mesh):
+        raise ValueError(
+            f"mesh {mesh} with axes {names} does not describe {nproc} processes: give one name "
+            f"per axis and sizes that multiply to {nproc}"
+        )
+    backend = choose_backend(backend, nproc)
+    sizes = sizes or ("gpu" if backend == "nccl" else "quick")
+    if sizes not in SIZES:
+        raise ValueError(f"unknown calibration sizes {sizes!r}; choose from {sorted(SIZES)}")
+    with tempfile.TemporaryDirectory(prefix="autopar-calibrate-") as tmp:
+        out = Path(tmp, "measurements.json")
+        mp.spawn(
+            _worker,
+            args=(nproc, _free_port(), backend, mesh, names, sizes, str(out), progress),
+            nprocs=nproc,
+            join=True,
+        )
+        measured = json.loads(out.read_text())
+    return cluster_from_measurements(measured, mesh, names, backend), measured
+
+
+def write_calibration(cluster: Cluster, measured: dict[str, Any], path: str | os.PathLike) -> None:
+    cluster.save(path, calibration=measured)
+
+
+# ------------------------------------------------------------------------------ fitting
+def cluster_from_measurements(
+    m: dict[str, Any], mesh: tuple[int, ...], names: tuple[str, ...], backend: str
+) -> Cluster:
+    """The cluster the measurements describe (see the module docstring)."""
+    peaks = {k: max(r for _, _, r in rows) for k, rows in m["matmul"].items()}
+    fp32 = m["matmul"]["float32"]
+    launch = m["launch_s"]
+    fixed = [max(t - f / peaks["float32"] - launch, 0.0) for f, t, _ in fp32]
+    half = statistics.median(fixed) * peaks["float32"]
+    attention = min(1.0, m["attention_flops"] / peaks["float32"]) if m["attention_flops"] else 1.0
+    device = DeviceSpec(
+        f"calibrated {m['device_name']}",
+        peaks,
+        m["memory_bytes"],
+        m["memory"][-1][2],  # the largest size: streamed from memory, not from a cache
+        matmul_half_flops=half,
+        attention_efficiency=max(attention, 1e-6),
+        launch_overhead=launch,
+    )
+    links = tuple(
+        _fit_link(m["comm"][name], n, backend) for name, n in zip(names, mesh, strict=True)
+    )
+    widest = max(range(len(mesh)), key=lambda i: mesh[i])
+    fabric = Fabric(links[widest], math.inf, links[widest].latency)
+    return Cluster(device, mesh, names, links, backend, math.prod(mesh), fabric)
+
+
+def _fit_link(rows: list[list[Any]], n: int, backend: str) -> Link:
+    """Least squares (of relative errors) of ``t = steps * alpha + volume * B * x``
+    (``x = 1 / beta``), both >= 0, with each collective's factors as the cost model prices
+    it on ``backend``."""
+    points = []
+    for kind, nbytes, seconds in rows:
+        if kind == "p2p":
+            points.append((1.0, float(nbytes), seconds))
+        elif n > 1:
+            steps, volume = ring_factors(volume_kind(Collective(kind), backend), n)
+            points.append((steps, volume * nbytes, seconds))
+    if not points:  # a size-1 axis moves nothing: any link prices it at 0
+        return Link(1e12, 0.0)
+    # relative errors: each row divided by its time, so small messages weigh as much as large
+    points = [(a / t, b / t, 1.0) for a, b, t in points if t > 0]
+    saa = sum(a * a for a, _, _ in points)
+    sab = sum(a * b for a, b, _ in points)
+    sbb = sum(b * b for _, b, _ in points)
+    sat = sum(a * t for a, _, t in points)
+    sbt = sum(b * t for _, b, t in points)
+    det = saa * sbb - sab * sab
+    alpha, x = (sat * sbb - sab * sbt) / det, (saa * sbt - sab * sat) / det
+    if alpha < 0 or x <= 0:  # clip to the best one-parameter fits
+        alpha = max(0.0, (sat - sab * max(x, 0.0)) / saa) if x > 0 else 0.0
+        x = max((sbt - sab * alpha) / sbb, 1e-15)
+    return Link(1.0 / x, alpha)
+
+
+# ------------------------------------------------------------------------------ workers
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if self.enabled:
+            width = 30
+            filled = width * self.done // self.total
+            bar = "#" * filled + "." * (width - filled)
+            end = "\n" if self.done == self.total else ""
+            print(f"\r[{bar}] {self.done}/{self.total} {what:<40}", end=end, file=sys.stderr)
+            sys.stderr.flush()
+
+
+def _worker(
+    rank: int, world: int, port: int, backend: str, mesh, names, sizes: str, out: str, show: bool
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    bind_local_device(backend, rank)
+    dist.init_process_group(
+        backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
+    )
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device = process_group_device(backend)
+        dmesh = init_device_mesh(device, tuple(mesh), mesh_dim_names=tuple(names))
+        cfg = SIZES[sizes]
+        total = 2 + len(cfg["matmul"]) * len(_DTYPES) + len(cfg["memory"])
+        total += len(names) * len(cfg["comm"]) * (len(_KINDS) + 1)
+        bar = _Progress(total, show and rank == 0)
+        measured = _measure(device, dmesh, names, cfg, bar)
+        if rank == 0:
+            Path(out).write_text(json.dumps(measured))
+    finally:
+        dist.destroy_process_group()
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn: Callable[[], Any], device: str, reps: int, group=None) -> float:
+    """Median seconds of ``fn`` after a warm-up: with a ``group`` (a collective) the slowest
+    of its ranks' (it ends when its last rank does), else the mean over all ranks."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    dist.all_reduce(
+        t, op=dist.ReduceOp.MAX if group is not None else dist.ReduceOp.SUM, group=group
+    )
+    return float(t.item()) / (1 if group is not None else dist.get_world_size())
+
+
+def _agree(flag: bool, device: str) -> bool:
+    """``flag`` on any rank (so that every rank runs the same benchmarks)."""
+    t = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _measure(device: str, dmesh, names, cfg: dict[str, Any], bar: _Progress) -> dict[str, Any]:
+    reps = cfg["reps"]
+    one = torch.ones(1, device=device)
+    launch = _timed(lambda: one.mul(2), device, max(reps, 5) * 4)
+    bar.step("launch overhead")
+    matmul: dict[str, list] = {}
+    for dtype in _DTYPES:
+        key = str(dtype).removeprefix("torch.")
+        matmul[key] = []
+        slow = False  # a dtype without fast kernels here (fp16 on many CPUs): stop growing
+        for n in cfg["matmul"]:
+            if not slow:
+                a = torch.randn(n, n, device=device).to(dtype)
+                t = _timed(lambda a=a: a @ a, device, reps)
+                matmul[key].append((2.0 * n**3, t, 2.0 * n**3 / t))
+                slow = _agree(t > _SLOW_S, device)
+            bar.step(f"matmul {key} n={n}")
+    memory = []
+    for numel in cfg["memory"]:
+        x = torch.randn(numel, device=device)
+        t = _timed(lambda x=x: x * 2, device, reps)
+        memory.append((2.0 * numel * 4, t, 2.0 * numel * 4 / t))
+        bar.step(f"memory-bound {numel * 4 >> 10} KiB")
+    attention = _attention_rate(device, cfg, reps)
+    bar.step("attention")
+    comm = {name: _measure_axis(device, dmesh, name, cfg, bar) for name in names}
+    return {
+        "device_name": _device_name(device),
+        "memory_bytes": _memory_bytes(device, dist.get_world_size()),
+        "launch_s": launch,
+        "matmul": matmul,
+        "memory": memory,
+        "attention_flops": attention,
+        "comm": comm,
+    }
+
+
+def _attention_rate(device: str, cfg: dict[str, Any], reps: int) -> float:
+    seq = max(cfg["matmul"])
+    q = torch.randn(1, 4, seq, 64, device=device)
+    t = _timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q), device, reps)
+    return 4.0 * 4 * seq * seq * 64 / t
+
+
+def _measure_axis(device: str, dmesh, name: str, cfg: dict[str, Any], bar: _Progress) -> list:
+    group = dmesh.get_group(name)
+    n = dist.get_world_size(group)
+    rows: list[tuple[str, int, float]] = []
+    for nbytes in cfg["comm"]:
+        numel = max(n, nbytes // 4 // n * n)
+        full = torch.randn(numel, device=device)
+        spare = torch.empty_like(full)
+        part = torch.randn(numel // n, device=device)
+        ops = _collectives(full, spare, part, group)
+        for kind, fn in ops.items():
+            if n > 1:
+                rows.append((kind, numel * 4, _timed(fn, device, cfg["reps"], group)))
+            bar.step(f"{name}: {kind} {numel * 4 >> 10} KiB")
+        if n > 1:
+            rows.append(("p2p", numel * 4, _p2p(full, group, device, cfg["reps"])))
+        bar.step(f"{name}: send/recv {numel * 4 >> 10} KiB")
+    return rows
+
+
+def _collectives(full, spare, part, group) -> dict[str, Callable[[], Any]]:
+    return {
+        "all_reduce": lambda: dist.all_reduce(full, group=group),
+        "all_gather": lambda: dist.all_gather_single(full, part, group=group),
+        "reduce_scatter": lambda: dist.reduce_scatter_single(part, full, group=group),
+        "all_to_all": lambda: dist.all_to_all_single(spare, full, group=group),
+    }
+
+
+def _p2p(buf: torch.Tensor, group, device: str, reps: int) -> float:
+    """Even group ranks send to the next one (pipeline neighbours), odd ones receive."""
+    me, n = dist.get_group_rank(group, dist.get_rank()), dist.get_world_size(group)
+    peer = me + 1 if me % 2 == 0 else me - 1
+
+    def exchange() -> None:
+        if peer >= n:
+            return
+        other = dist.get_global_rank(group, peer)
+        if me % 2 == 0:
+            dist.send(buf, other)
+        else:
+            dist.recv(buf, other)
+
+    return _timed(exchange, device, reps, group)
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"{device} ({os.cpu_count()} cores)"
+
+
+def _memory_bytes(device: str, world: int) -> float:
+    if device == "cuda":
+        return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return float(pages) / world  # local processes share the host's memory

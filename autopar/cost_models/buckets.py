@@ -1,0 +1,191 @@
+"""Bucketed collectives and their overlap with compute, priced as `autopar.passes.comm` runs them.
+
+Bucket assignment (``bucket_plan``): DDP's ``_compute_bucket_assignment_by_size``. Sizes (bytes)
+in the order the gradients become ready (backward order); a bucket closes once it holds at
+least its cap (``first_bucket_bytes`` = 1 MiB for the first, ``bucket_bytes`` = 25 MiB after).
+The runtime pass (`passes.comm`) imports this function, so the search and the program form
+the same buckets. One bucket per key (process group, reduce op, dtype).
+
+Price of a bucket (``bucket_times``): one collective on the bucket's total bytes ``B``::
+
+    t(bucket) = collective_time(kind, B, axis) + launch(axis)
+              = steps * alpha + volume * B / beta + alpha          (ring; see `comm`)
+
+so the bandwidth term is per byte as before and the latency terms (ring steps x alpha plus
+one launch/synchronization alpha, the term `search.costs` adds per collective) are paid once
+per bucket, never per tensor. Hence a bucketed reduction never costs more than one
+collective per tensor (``bucketed_time <= sum of per-tensor times``).
+
+ILP: a linear program cannot count buckets; `search.costs` prices each gradient reduction
+as its own collective, waited at once, an upper bound on the bucketed, overlapped price
+(``bucket_times`` never sums above it). ``latency_terms`` is the size-independent part of one
+collective.
+
+Fused collectives (``fused_time``): one collective per key on the summed bytes, plus one
+launch. A layer's FSDP all-gathers (one per layer and phase), and a pipeline rank's gradients:
+a rank reduces its gradients once per step, after its
+last backward, one flat buffer per key: ``collective_time(kind, sum B) + alpha`` per key,
+waited in full.
+
+Exposure (``serial_exposure``): one serial communication channel. Bucket ``k`` starts at
+``max(ready_k, done_{k-1})`` (``ready_k``: its last gradient's ready time) and takes ``t_k``;
+the step waits for ``max(0, done_last - end)`` after the backward ends at ``end``.
+
+FSDP prefetch (``prefetch_exposure``): one all-gather per layer and phase; gather ``L+1`` is
+issued when gather ``L``'s wait runs and overlaps layer ``L``'s compute, so it shows
+``max(0, g_{L+1} - c_L)``; the first gather of the forward and of the backward re-gather (the
+first part, in that phase's order, that gathers at all) shows in full.
+
+Step (``overlapped_step``), per phase with layers in execution order: forward compute +
+forward gather exposure + backward compute + backward re-gather exposure + gradient
+exposure + ``exposed_comm`` (TP activation collectives, loss reductions: waited at once).
+Gradient readiness is approximated from the layer order: a layer's gradients are ready when
+its backward compute ends (backward runs the layers in reverse).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from autopar.cluster import Cluster
+from autopar.cost_models.comm import Collective, collective_time, ring_factors, volume_kind
+
+MIB = 1024 * 1024
+BUCKET_BYTES = 25 * MIB
+FIRST_BUCKET_BYTES = 1 * MIB
+
+__all__ = [
+    "BUCKET_BYTES",
+    "FIRST_BUCKET_BYTES",
+    "bucket_plan",
+    "bucket_times",
+    "fused_time",
+    "latency_terms",
+    "overlapped_step",
+    "prefetch_exposure",
+    "serial_exposure",
+]
+
+# one gradient tensor as the step prediction sees it: (key, kind, mesh axis, bytes); the key
+# (group, reduce op, dtype) decides which tensors may share a bucket
+Grad = tuple[Hashable, Collective, int, float]
+
+
+def bucket_plan(
+    sizes: Sequence[float],
+    bucket_bytes: float = BUCKET_BYTES,
+    first_bucket_bytes: float = FIRST_BUCKET_BYTES,
+) -> list[list[int]]:
+    """Indices of `sizes` (bytes, in ready order) per bucket: a bucket closes once it holds at
+    least its cap (`first_bucket_bytes` for the first, `bucket_bytes` after), as DDP's
+    `_compute_bucket_assignment_by_size` does."""
+    buckets: list[list[int]] = [[]]
+    held = 0.0
+    for i, size in enumerate(sizes):
+        buckets[-1].append(i)
+        held += size
+        if held >= (first_bucket_bytes if len(buckets) == 1 else bucket_bytes):
+            buckets.append([])
+            held = 0.0
+    return [b for b in buckets if b]
+
+
+def latency_terms(kind: Collective | str, axis: int, cluster: Cluster) -> float:
+    """Seconds one collective pays whatever its size: ring steps x alpha plus one launch
+    (the ring's, an upper bound on the tree's for an all-reduce)."""
+    kind = Collective(kind)
+    n = cluster.axis_size(axis)
+    if n == 1 or kind is Collective.LOCAL:
+        return 0.0
+    steps, _ = ring_factors(volume_kind(kind, cluster.backend), n)
+    return (steps + 1.0) * cluster.links[axis].latency
+
+
+def bucket_times(
+    kind: Collective | str,
+    sizes: Sequence[float],
+    axis: int,
+    cluster: Cluster,
+    bucket_bytes: float = BUCKET_BYTES,
+    first_bucket_bytes: float = FIRST_BUCKET_BYTES,
+) -> list[float]:
+    """Seconds of each bucket's collective, `sizes` in ready order (module doc)."""
+    out = []
+    for bucket in bucket_plan(sizes, bucket_bytes, first_bucket_bytes):
+        total = sum(sizes[i] for i in bucket)
+        t = collective_time(kind, total, axis, cluster)
+        out.append(t + cluster.links[axis].latency if t > 0 else 0.0)
+    return out
+
+
+def fused_time(grads: Sequence[Grad], cluster: Cluster) -> float:
+    """Seconds of `grads` run as one collective (flat buffer) per key: bandwidth on the
+    summed bytes, latency terms once per buffer. A pipeline rank's gradient sync after its
+    last backward, and a layer's fused FSDP all-gather."""
+    total: dict[tuple, float] = {}
+    for key, kind, axis, nbytes in grads:
+        k = (key, Collective(kind), axis)
+        total[k] = total.get(k, 0.0) + nbytes
+    return sum(
+        collective_time(kind, b, axis, cluster) + cluster.links[axis].latency
+        for (_, kind, axis), b in total.items()
+        if collective_time(kind, b, axis, cluster) > 0
+    )
+
+
+def serial_exposure(ready: Sequence[float], durations: Sequence[float], end: float) -> float:
+    """Seconds the step waits after `end` for collectives issued at `ready` (one channel,
+    in issue order) lasting `durations`."""
+    assert len(ready) == len(durations)
+    done = float("-inf")
+    for r, t in sorted(zip(ready, durations, strict=True), key=lambda p: p[0]):
+        done = max(r, done) + t
+    return max(0.0, done - end) if ready else 0.0
+
+
+def prefetch_exposure(gathers: Sequence[float], computes: Sequence[float]) -> float:
+    """Exposed seconds of one gather per layer (execution order, 0: none), each prefetched
+    under the previous layer's compute; the first non-zero one is waited in full."""
+    assert len(gathers) == len(computes)
+    first = next((i for i, g in enumerate(gathers) if g > 0), len(gathers))
+    if first == len(gathers):
+        return 0.0
+    pairs = zip(gathers[first + 1 :], computes[first:-1], strict=True)
+    return gathers[first] + sum(max(0.0, g - c) for g, c in pairs)
+
+
+def overlapped_step(
+    forward: Sequence[float],
+    backward: Sequence[float],
+    gathers: Sequence[float],
+    regathers: Sequence[float],
+    grads: Sequence[Sequence[Grad]],
+    cluster: Cluster,
+    exposed_comm: float = 0.0,
+) -> float:
+    """Step seconds of layers (forward order) with the runtime's overlap (module doc).
+
+    `forward`/`backward`: compute per layer; `gathers`/`regathers`: its weight all-gather in
+    forward / backward (0: none); `grads`: its gradient reductions; `exposed_comm`: the
+    collectives waited at once."""
+    order = list(reversed(range(len(forward))))  # backward order
+    bwd = [backward[i] for i in order]
+    ready_at, clock = {}, 0.0
+    for i, t in zip(order, bwd, strict=True):
+        clock += t
+        ready_at[i] = clock
+    by_key: dict[tuple, list[tuple[float, float]]] = {}
+    for i in order:
+        for key, kind, axis, nbytes in grads[i]:
+            by_key.setdefault((key, Collective(kind), axis), []).append((ready_at[i], nbytes))
+    ready, durations = [], []
+    for (_, kind, axis), items in by_key.items():
+        sizes = [b for _, b in items]
+        times = bucket_times(kind, sizes, axis, cluster)
+        for bucket, t in zip(bucket_plan(sizes), times, strict=True):
+            ready.append(items[bucket[-1]][0])
+            durations.append(t)
+    grad_wait = serial_exposure(ready, durations, clock)
+    fwd_wait = prefetch_exposure(list(gathers), list(forward))
+    bwd_wait = prefetch_exposure([regathers[i] for i in order], bwd)
+    return sum(forward) + fwd_wait + clock + bwd_wait + grad_wait + exposed_comm

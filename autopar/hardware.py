@@ -1,0 +1,210 @@
+"""Hardware figures a cluster is made of: one device (``DeviceSpec``), one link per mesh axis
+(``Link``), the network links are derived from (``Fabric``).
+
+Contract: pure, frozen, hashable, validated data (``ValueError`` naming the field). Peaks are
+line rates (FLOP/s per dtype, bytes/s); the efficiencies are the fractions of them that
+kernels and collectives achieve, each in (0, 1] (``autopar.cost_models`` prices with both).
+``to_dict``/``from_dict`` round-trip through JSON; a dict without the efficiency keys (a file
+from before they existed) loads with every efficiency 1 and no launch overhead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["DeviceSpec", "Fabric", "Link"]
+
+_DTYPE_KEYS = ("float32", "bfloat16", "float16")
+_DEVICE_FIELDS = (
+    "memory_bytes",
+    "memory_bandwidth",
+    "matmul_efficiency",
+    "matmul_half_flops",
+    "attention_efficiency",
+    "memory_efficiency",
+    "launch_overhead",
+)
+
+
+class _FrozenMap(Mapping[str, float]):
+    """Read-only, hashable ``dict`` replacement (a frozen dataclass must stay hashable)."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, items: Mapping[str, float]) -> None:
+        self._d = dict(items)
+
+    def __getitem__(self, key: str) -> float:
+        return self._d[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._d.items()))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mapping) and dict(self._d) == dict(other)
+
+    def __repr__(self) -> str:
+        return repr(self._d)
+
+
+def _dtype_key(dtype: str | torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"
+
+
+def _fraction(value: float, what: str) -> float:
+    value = float(value)
+    if not 0 < value <= 1:
+        raise ValueError(f"{what} is a fraction of a peak: it must be in (0, 1], got {value!r}")
+    return value
+
+
+def _non_negative(value: float, what: str) -> float:
+    value = float(value)
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"{what} must be a finite number >= 0, got {value!r}")
+    return value
+
+
+def _positive(value: float, what: str) -> float:
+    value = float(value)
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{what} must be a positive finite number, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    """One accelerator: peak FLOP/s per dtype, memory (bytes) and memory bandwidth (bytes/s),
+    and the fractions of those peaks kernels achieve (``autopar.cost_models.compute``)."""
+
+    name: str
+    peak_flops: Mapping[str, float]  # "float32"/"bfloat16"/"float16" -> FLOP/s
+    memory_bytes: float
+    memory_bandwidth: float
+    matmul_efficiency: float = 1.0  # achieved / peak FLOP/s of a large matmul kernel
+    matmul_half_flops: float = 0.0  # FLOPs of a kernel reaching half of matmul_efficiency
+    attention_efficiency: float = 1.0  # achieved / peak FLOP/s of fused attention kernels
+    memory_efficiency: float = 1.0  # achieved / peak bandwidth of memory-bound kernels
+    launch_overhead: float = 0.0  # seconds per kernel (launch, dispatch, tail)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("DeviceSpec.name must be a non-empty string")
+        flops = {
+            _dtype_key(k): _positive(v, f"peak_flops[{k!r}]") for k, v in self.peak_flops.items()
+        }
+        if "float32" not in flops:
+            raise ValueError(f"DeviceSpec {self.name!r}: peak_flops needs a 'float32' entry")
+        object.__setattr__(self, "peak_flops", _FrozenMap(flops))
+        object.__setattr__(self, "memory_bytes", _positive(self.memory_bytes, "memory_bytes"))
+        object.__setattr__(
+            self, "memory_bandwidth", _positive(self.memory_bandwidth, "memory_bandwidth")
+        )
+        for name in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
+            object.__setattr__(self, name, _fraction(getattr(self, name), name))
+        for name in ("matmul_half_flops", "launch_overhead"):
+            object.__setattr__(self, name, _non_negative(getattr(self, name), name))
+
+    def peak_flops_for(self, dtype: str | torch.dtype) -> float:
+        """Peak FLOP/s for ``dtype``; dtypes without an entry fall back to float32."""
+        return self.peak_flops.get(_dtype_key(dtype), self.peak_flops["float32"])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "peak_flops": dict(self.peak_flops),
+            **{f: getattr(self, f) for f in _DEVICE_FIELDS},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DeviceSpec:
+        return cls(
+            data["name"], data["peak_flops"], **{f: data[f] for f in _DEVICE_FIELDS if f in data}
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """Alpha-beta link of one mesh axis: per-device bus ``bandwidth`` (bytes/s, line rate),
+    ``latency`` (s per algorithm step) and ``efficiency``, the fraction of the line rate a
+    collective's bus bandwidth reaches on large messages (nccl-tests' busbw / line rate)."""
+
+    bandwidth: float
+    latency: float
+    efficiency: float = 1.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bandwidth", _positive(self.bandwidth, "Link.bandwidth"))
+        object.__setattr__(self, "efficiency", _fraction(self.efficiency, "Link.efficiency"))
+        latency = float(self.latency)
+        if not (latency >= 0 and math.isfinite(latency)):
+            raise ValueError(f"Link.latency must be a finite number >= 0, got {latency!r}")
+        object.__setattr__(self, "latency", latency)
+
+    @property
+    def bus_bandwidth(self) -> float:
+        """Bytes/s a collective's bus moves on large messages: ``bandwidth * efficiency``."""
+        return self.bandwidth * self.efficiency
+
+    def to_dict(self) -> dict[str, float]:
+        return {"bandwidth": self.bandwidth, "latency": self.latency, "efficiency": self.efficiency}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Link:
+        return cls(data["bandwidth"], data["latency"], data.get("efficiency", 1.0))
+
+    def __str__(self) -> str:
+        return f"{self.bus_bandwidth / 1e9:.4g} GB/s {self.latency * 1e6:.3g} us"
+
+
+@dataclass(frozen=True, slots=True)
+class Fabric:
+    """The network a mesh's per-axis links are derived from (see the module docstring)."""
+
+    intra: Link  # inside a node (per device)
+    nic_bandwidth_per_node: float  # bytes/s, all NICs of a node together
+    inter_latency: float
+    inter_efficiency: float = 1.0  # busbw / line rate of collectives across nodes
+
+    def axis_links(self, mesh: Sequence[int], devices_per_node: int) -> tuple[Link, ...]:
+        links = []
+        for i in range(len(mesh)):
+            if math.prod(mesh[i:]) <= devices_per_node:
+                links.append(self.intra)
+                continue
+            concurrent = min(devices_per_node, math.prod(mesh[i + 1 :]))
+            nic = self.nic_bandwidth_per_node / concurrent
+            latency = max(self.inter_latency, self.intra.latency)
+            if nic < self.intra.bandwidth:
+                links.append(Link(nic, latency, self.inter_efficiency))
+            else:
+                links.append(Link(self.intra.bandwidth, latency, self.intra.efficiency))
+        return tuple(links)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "intra": self.intra.to_dict(),
+            "nic_bandwidth_per_node": self.nic_bandwidth_per_node,
+            "inter_latency": self.inter_latency,
+            "inter_efficiency": self.inter_efficiency,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Fabric:
+        return cls(
+            Link.from_dict(data["intra"]),
+            float(data["nic_bandwidth_per_node"]),
+            float(data["inter_latency"]),
+            float(data.get("inter_efficiency", 1.0)),
+        )

@@ -1,0 +1,409 @@
+"""Communication pass: bucket gradient reductions and overlap collectives with compute.
+
+`optimize_comm(gm, options) -> CommStats` rewrites a lowered per-rank program (local ATen ops
+and `_c10d_functional` collectives, each collective's only user its `wait_tensor`) in place.
+Pipeline stage programs do not run it (their collectives stay waited at once: early issue
+there deadlocked a pp x dp x tp run on gloo; their gradients are reduced once per step):
+
+1. Bucketing. Backward all-reduces and reduce-scatters (gradient reductions) with the same
+   (op, reduce op, group, dtype) are fused DDP-style: in the order their inputs become ready,
+   a bucket takes collectives until its bytes reach the cap (`first_bucket_bytes` for the
+   first bucket of a key, `bucket_bytes` after: DDP's 1 MiB and 25 MiB), and only while the
+   next one is ready before any member's result is first read (so no consumer waits longer
+   and no cycle forms). All-gathers are fused per layer (the FSDP unit: one all-gather per
+   layer group and phase, forward or backward re-gather). A bucket is one collective on the
+   flat concatenation (inductor's merge functions, `torch._inductor.fx_passes.bucketing`,
+   through `autopar._compat`), split back into views. A fused all-gather is exact; a fused
+   reduction adds the same ranks' values, but a ring all-reduce's summation order depends
+   on where an element sits in the buffer, so its last bit may differ (as DDP's buckets
+   do): within the parity tolerances, not bit for bit.
+   A fused all-gather gathers into a fresh result (not inductor's preallocated `_out`
+   buffer, which the backend's work holds past its last reader).
+2. Scheduling. A stable re-ordering of the program: its `wait_tensor` (and the views reading
+   the result) sink to just before the first node that needs them; a fused result's
+   unpacking (split views, contiguous copies) runs right at its wait, so the flat buffer
+   dies there. Gradient reductions (read by the output only) are issued as soon as their
+   inputs exist. Forward gathers of parameters are prefetched one ahead (the next one is
+   issued when the previous one's wait runs, FSDP2's order), never at the program's start;
+   backward (re-)gathers of parameters, recomputed nodes and every other collective
+   (activations', the loss's) stay where the program as lowered (`passes.recompute`
+   included) has them, so no buffer lives longer than priced. Communication then overlaps
+   compute wherever the backend runs collectives asynchronously (gloo's worker threads,
+   NCCL's stream). Scheduling changes no number (the same ops on the same values, in
+   another order).
+
+What the cost model must price so (`bucket_plan` is the bucket assignment as a pure
+function): per gradient-reduction key, sum(sizes) bytes in len(buckets) collectives (latency
+once per bucket, not per tensor); a bucket's time overlaps the backward compute that follows
+its last gradient; the last bucket is exposed. Memory (`search.liveness`): a bucket's
+gradients live until it closes, its flat input alongside them at the concatenation; a
+layer's fused gather makes all its members when the first is needed (flat result alive
+while they are copied out). Not priced: a forward gather's flat result issued one layer
+ahead (alive during the previous layer's forward; the step's peak is in backward).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autopar._compat import merge_collective_bucket
+from autopar.cost_models.buckets import bucket_plan  # noqa: F401  (the rule, priced there)
+from autopar.passes.recompute import RECOMPUTED, is_backward, layer_of
+
+MIB = 1024 * 1024
+_F = torch.ops._c10d_functional
+ALL_REDUCE = _F.all_reduce.default
+REDUCE_SCATTER = _F.reduce_scatter_tensor.default
+ALL_GATHER = _F.all_gather_into_tensor.default
+WAITS = (_F.wait_tensor.default, torch.ops.c10d_functional.wait_tensor.default)
+# ops that only re-label a result (the split views of a bucket, reshapes): they sink with
+# the wait they read
+VIEWS = {
+    operator.getitem,
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten.split.Tensor,
+    torch.ops.aten.split_with_sizes.default,
+    torch.ops.aten.permute.default,
+    torch.ops.aten.t.default,
+    torch.ops.aten.squeeze.dim,
+    torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.alias.default,
+}
+# what unpacks a fused collective's result into its members' tensors (a view, then a
+# contiguous copy): emitted together right after the wait, so the flat buffer dies there
+UNPACK = VIEWS | {torch.ops.aten.clone.default}
+
+
+@dataclass(frozen=True, slots=True)
+class CommOptions:
+    """How the pass rewrites a program (defaults: DDP's bucket sizes, overlap on)."""
+
+    bucket: bool = True
+    overlap: bool = True
+    bucket_bytes: int = 25 * MIB
+    first_bucket_bytes: int = 1 * MIB
+
+    def __post_init__(self) -> None:
+        if self.bucket_bytes <= 0 or self.first_bucket_bytes <= 0:
+            raise ValueError(
+                f"bucket sizes must be positive (got bucket_bytes={self.bucket_bytes}, "
+                f"first_bucket_bytes={self.first_bucket_bytes})"
+            )
+
+
+DEFAULT = CommOptions()
+OFF = CommOptions(bucket=False, overlap=False)
+
+
+@dataclass(frozen=True, slots=True)
+class CommStats:
+    """Collectives before and after the pass, and the buckets formed."""
+
+    collectives_before: int
+    collectives_after: int
+    buckets: tuple[int, ...]  # members per fused collective
+
+
+def optimize_comm(gm: fx.GraphModule, options: CommOptions = DEFAULT) -> CommStats:
+    """Bucket and schedule the collectives of `gm` in place (see the module docstring)."""
+    before = len(_collectives(gm.graph))
+    sizes: list[int] = []
+    if options.bucket and before:
+        sizes = _bucket(gm.graph, options)
+    if options.overlap and before:
+        _schedule(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    return CommStats(before, len(_collectives(gm.graph)), tuple(sizes))
+
+
+# ---- bucketing -------------------------------------------------------------------------
+def _collectives(graph: fx.Graph) -> list[fx.Node]:
+    return [
+        n
+        for n in graph.nodes
+        if n.op == "call_function"
+        and n.target in (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER)
+        and len(n.users) == 1
+        and next(iter(n.users)).target in WAITS
+    ]
+
+
+def _key(node: fx.Node) -> tuple | None:
+    """What a collective may be fused with (None: left alone)."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or node.args[0].meta.get("val") is None:
+        return None
+    if node.target is ALL_GATHER:  # one per layer and phase (FSDP's unit)
+        layer = layer_of(node)
+        return None if layer is None else ("ag", layer, is_backward(node), *node.args[1:])
+    if not is_backward(node):
+        return None  # forward reductions (TP activations, the loss) are needed at once
+    # backward: gradient reductions (`_bucket` keeps those read only by the output)
+    return (str(node.target), *node.args[1:], val.dtype)
+
+
+def _bucket(graph: fx.Graph, options: CommOptions) -> list[int]:
+    _hoist_state_inputs(graph)
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    ready = {c: max(pos[a] for a in c.all_input_nodes) for c in _collectives(graph)}
+    first_use = {c: _first_use(next(iter(c.users)), pos) for c in ready}
+    open_: dict[tuple, tuple[list[fx.Node], int, int]] = {}  # key -> members, bytes, index
+    done: list[list[fx.Node]] = []
+    end = len(pos) - 1  # the output node: what gradient reductions feed
+    for c in sorted(ready, key=lambda c: (ready[c], pos[c])):
+        key = _key(c)
+        if key is None or (key[0] != "ag" and first_use[c] != end):
+            continue
+        members, held, index = open_.get(key, ([], 0, 0))
+        if members and ready[c] >= min(first_use[m] for m in members):
+            done.append(members)  # a member's result is read before c exists
+            members, held, index = [], 0, index + 1
+        members.append(c)
+        held += _bytes(c)
+        cap = options.first_bucket_bytes if index == 0 else options.bucket_bytes
+        if key[0] != "ag" and held >= cap:
+            done.append(members)
+            members, held, index = [], 0, index + 1
+        open_[key] = (members, held, index)
+    done += [m for m, _, _ in open_.values() if m]
+    for members in done:
+        if len(members) > 1:
+            _merge(graph, members, pos)
+    _gather_into_fresh(graph)
+    return [len(m) for m in done if len(m) > 1]
+
+
+def _first_use(node: fx.Node, pos: dict[fx.Node, int]) -> int:
+    """Position of the first node reading `node` other than by a view or copy of it."""
+    uses = [
+        _first_use(u, pos) if u.op == "call_function" and u.target in UNPACK else pos[u]
+        for u in node.users
+    ]
+    return min(uses, default=len(pos))
+
+
+def _hoist_state_inputs(graph: fx.Graph) -> None:
+    """Move the preparation of gathers that read parameters only (a transposed shard's
+    copy) up to the placeholders, so that a layer's gathers can be fused; `_schedule`
+    later emits each just before its collective."""
+    nodes = list(graph.nodes)
+    anchor = [n for n in nodes if n.op == "placeholder"][-1]
+    cone: list[fx.Node] = []
+    for c in _collectives(graph):
+        if c.target is ALL_GATHER and _reads_only_state(c):
+            cone += _ancestors(c)
+    for n in sorted(set(cone), key=nodes.index):
+        anchor.append(n)
+        anchor = n
+
+
+def _ancestors(node: fx.Node) -> list[fx.Node]:
+    out, stack = [], list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n.op == "call_function" and n not in out:
+            out.append(n)
+            stack.extend(n.all_input_nodes)
+    return out
+
+
+def _bytes(node: fx.Node) -> int:
+    vals = [node.meta["val"], node.args[0].meta["val"]]
+    return max(v.numel() * v.element_size() for v in vals)
+
+
+def _merge(graph: fx.Graph, members: list[fx.Node], pos: dict[fx.Node, int]) -> None:
+    """One collective for `members`, inserted right after the last input it reads."""
+    last = max((a for c in members for a in c.all_input_nodes), key=pos.__getitem__)
+    merge_collective_bucket(graph, members, last.next)
+
+
+def _gather_into_fresh(graph: fx.Graph) -> None:
+    """A fused all-gather writes into a preallocated buffer (`empty`, this rank's slice
+    copied in, `all_gather_into_tensor_out`); the backend's work holds such a buffer past
+    the program's last reader. Gather the copied-in flat input into a fresh result
+    instead (the same values, rank-major), as an unfused gather does."""
+    out_op = _F.all_gather_into_tensor_out.default
+    for n in [n for n in graph.nodes if n.target is out_op]:
+        copy, out = n.args[0], n.kwargs.get("out")
+        if copy.target is not torch.ops.aten.copy_.default or len(copy.users) != 1:
+            continue
+        window = copy.args[0]
+        if window.all_input_nodes != [out] or len(window.users) != 1 or len(out.users) != 2:
+            continue
+        with graph.inserting_before(n):
+            fresh = graph.call_function(ALL_GATHER, (copy.args[1], *n.args[1:]))
+        fresh.meta = dict(n.meta)
+        n.replace_all_uses_with(fresh)
+        for dead in (n, copy, window, out):
+            graph.erase_node(dead)
+
+
+# ---- scheduling --------------------------------------------------------------------------
+def _schedule(graph: fx.Graph) -> None:
+    """Re-order `graph`: gradient reductions issued once their inputs exist, forward
+    parameter gathers one ahead, the rest where it stands; waits (with the unpacking of
+    their results) just before their first reader."""
+    nodes = list(graph.nodes)
+    starts = [c for c in nodes if c.op == "call_function" and _is_start(c)]
+    lazy, tails = _lazy_nodes(nodes)
+    after = _mutation_edges(nodes)  # node -> nodes that must come first (in-place writes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    prefetch = sorted(
+        (c for c in starts if _is_gather(c) and _reads_only_state(c)),
+        key=lambda c: _first_use(next(iter(c.users)), pos),
+    )
+    chained = set(prefetch)
+    # a parameter gather (and its copy-in) is issued by the chain or, at the latest, when
+    # its result is first needed: never where the inputs exist (the program's start)
+    lazy |= chained | _prefetch_inputs(nodes, chained)
+    # the forward's chain only: a backward (re-)gather stays where `passes.recompute` put
+    # it, just before its first reader, as resharding and recomputation are priced
+    next_of_wait = {
+        next(iter(a.users)): b
+        for a, b in zip(prefetch, prefetch[1:], strict=False)
+        if not is_backward(a) and not is_backward(b)
+    }
+    # gradient reductions (read by the output only) are issued once their inputs exist;
+    # any other collective (activations', the loss's) where it stands, so that its buffers
+    # live no longer than the program as lowered keeps them (what `search.liveness` prices)
+    end = len(nodes) - 1
+    early = {c for c in starts if c.users and all(_first_use(w, pos) == end for w in c.users)}
+    early -= chained
+    order: list[fx.Node] = []
+    done: set[fx.Node] = set()
+
+    def emit(n: fx.Node) -> None:
+        if n in done:
+            return
+        for a in [*n.all_input_nodes, *after.get(n, ())]:
+            emit(a)
+        if n in done:  # emitted while its inputs were
+            return
+        order.append(n)
+        done.add(n)
+        for t in tails.get(n, ()):  # a fused result's members, made at once
+            emit(t)
+        for u in n.users:  # issue what this completes the inputs of
+            if u in early and u not in done:
+                if all(a in done for a in [*u.all_input_nodes, *after.get(u, ())]):
+                    emit(u)
+        if n in next_of_wait:  # prefetch the next parameter gather
+            emit(next_of_wait[n])
+
+    for n in nodes:  # the program's arguments keep their order
+        if n.op == "placeholder":
+            emit(n)
+    if prefetch and not is_backward(prefetch[0]):
+        emit(prefetch[0])
+    for n in nodes:
+        if n.op == "output":
+            continue
+        if n not in lazy:
+            emit(n)
+    for n in nodes[:-1]:  # what nothing reads (a dead view): where it stood, at the end
+        emit(n)
+    emit(nodes[-1])
+    assert len(order) == len(nodes), "scheduling lost nodes"
+    _reorder(graph, order)
+
+
+def _reorder(graph: fx.Graph, order: list[fx.Node]) -> None:
+    """Move the nodes into `order` (placeholders stay first: the order keeps them so)."""
+    anchor = order[0]
+    for n in order[1:]:
+        anchor.append(n)
+        anchor = n
+
+
+def _is_gather(node: fx.Node) -> bool:
+    return node.target in (ALL_GATHER, _F.all_gather_into_tensor_out.default)
+
+
+def _is_start(node: fx.Node) -> bool:
+    namespace = getattr(node.target, "namespace", None)
+    return namespace in ("_c10d_functional", "c10d_functional") and node.target not in WAITS
+
+
+def _lazy_nodes(nodes: list[fx.Node]) -> tuple[set[fx.Node], dict[fx.Node, list[fx.Node]]]:
+    """Waits and what unpacks (only) them: emitted when first needed, a wait's unpacking
+    (`tails`: wait -> its views and copies, in program order) right after it."""
+    lazy: set[fx.Node] = set()
+    owner: dict[fx.Node, fx.Node] = {}  # unpacking node -> its wait
+    tails: dict[fx.Node, list[fx.Node]] = {}
+    for n in nodes:
+        if n.op != "call_function":
+            continue
+        if n.target in WAITS:
+            lazy.add(n)
+            owner[n] = n
+            continue
+        waits = {owner.get(a) for a in n.all_input_nodes}
+        wait = waits.pop() if len(waits) == 1 else None
+        if n.target in UNPACK and wait is not None and _phase(n) == _phase(wait):
+            lazy.add(n)
+            owner[n] = wait
+            tails.setdefault(wait, []).append(n)
+        elif n.target in VIEWS and n.all_input_nodes and all(a in lazy for a in n.all_input_nodes):
+            lazy.add(n)  # a later phase's view (a recomputed one): where first needed
+    return lazy, tails
+
+
+def _phase(node: fx.Node) -> tuple[bool, bool]:
+    return is_backward(node), bool((node.meta.get("custom") or {}).get(RECOMPUTED))
+
+
+def _prefetch_inputs(nodes: list[fx.Node], chained: set[fx.Node]) -> set[fx.Node]:
+    """Nodes read only on the way to a prefetched collective (its copy-in, computed from
+    parameters only as the collective is): emitted with it, not where they stand (a
+    backward re-gather's copy-in stays in backward with it)."""
+    inputs: set[fx.Node] = set()
+    for n in reversed(nodes):
+        if (
+            n.op == "call_function"
+            and n.users
+            and all(u in chained or u in inputs for u in n.users)
+        ):
+            inputs.add(n)
+    return inputs
+
+
+def _reads_only_state(node: fx.Node) -> bool:
+    """The collective's inputs derive from placeholders alone (a parameter's gather)."""
+    stack, seen, placeholders = list(node.all_input_nodes), set(), False
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            placeholders = True
+            continue
+        if n.op != "call_function" or _is_start(n) or n.target in WAITS:
+            return False
+        stack.extend(n.all_input_nodes)
+    return placeholders
+
+
+def _mutation_edges(nodes: list[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
+    """For an op writing one of its arguments in place, the readers of that argument after
+    it must follow it (data edges alone do not say so)."""
+    pos = {n: i for i, n in enumerate(nodes)}
+    edges: dict[fx.Node, list[fx.Node]] = {}
+    for m in nodes:
+        schema = getattr(m.target, "_schema", None)
+        if m.op != "call_function" or schema is None or not schema.is_mutable:
+            continue
+        for arg, value in zip(schema.arguments, m.args, strict=False):
+            if arg.is_write and isinstance(value, fx.Node):
+                for u in value.users:
+                    if u is not m and pos[u] > pos[m]:
+                        edges.setdefault(u, []).append(m)
+    return edges

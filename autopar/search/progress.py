@@ -1,0 +1,96 @@
+"""Where a search spends its time, and what it has found so far.
+
+    with recording(listener) as rec:   # `autopar plan --profile` / `--progress`, the bench
+        ... plan ...
+    rec.phases   # phase -> seconds (exclusive: a nested phase's time is not its parent's)
+
+The search marks its phases with `phase(name)` (`PHASES`: capture, strategies, costs, ILP,
+layout search, assembly) and reports each priced layout with `candidate(key, seconds)`.
+Without a recording both are free no-ops. A `listener(rec, event)` is called on every phase
+start and every candidate (event = the phase name or "candidate"): the CLI's progress line.
+Single-threaded by design (one search per process at a time).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+PHASES = ("capture", "strategies", "costs", "ILP", "layout search", "assembly")
+
+
+@dataclass
+class Recording:
+    listener: Callable[[Recording, str], None] | None = None
+    phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    candidates: int = 0
+    best: tuple[str, float] | None = None  # (layout key, step seconds)
+    current: str = ""
+    started: float = field(default_factory=time.perf_counter)
+    ended: float | None = None
+    _stack: list[list] = field(default_factory=list)  # [name, start, time in children]
+
+    @property
+    def total(self) -> float:
+        return (self.ended or time.perf_counter()) - self.started
+
+    def _notify(self, event: str) -> None:
+        if self.listener is not None:
+            self.listener(self, event)
+
+
+_active: list[Recording] = []
+
+
+@contextmanager
+def recording(listener: Callable[[Recording, str], None] | None = None) -> Iterator[Recording]:
+    rec = Recording(listener)
+    _active.append(rec)
+    try:
+        yield rec
+    finally:
+        rec.ended = time.perf_counter()
+        _active.remove(rec)
+
+
+@contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Attribute the time of the block to `name` (minus the phases nested in it)."""
+    if not _active:
+        yield
+        return
+    rec = _active[-1]
+    frame = [name, time.perf_counter(), 0.0]
+    rec._stack.append(frame)
+    outer = rec.current
+    rec.current = name
+    rec._notify(name)
+    try:
+        yield
+    finally:
+        rec._stack.pop()
+        spent = time.perf_counter() - frame[1]
+        rec.phases[name] = rec.phases.get(name, 0.0) + spent - frame[2]
+        if rec._stack:
+            rec._stack[-1][2] += spent
+        rec.current = outer
+
+
+def candidate(key: str, step_time: float | None) -> None:
+    """One layout priced (`step_time` None: it does not fit)."""
+    if not _active:
+        return
+    rec = _active[-1]
+    rec.candidates += 1
+    if step_time is not None and (rec.best is None or step_time < rec.best[1]):
+        rec.best = (key, step_time)
+    rec._notify("candidate")
+
+
+def format_phases(rec: Recording) -> str:
+    """One line per phase and the total, seconds."""
+    rows = [f"  {name:<14} {secs:7.2f} s" for name, secs in rec.phases.items()]
+    rows.append(f"  {'total':<14} {rec.total:7.2f} s")
+    return "\n".join(rows)

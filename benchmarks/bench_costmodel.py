@@ -1,0 +1,215 @@
+"""Predicted step time next to measured, per plan, with a calibrated cluster file.
+
+    python benchmarks/bench_costmodel.py [--cluster build/cluster.json] [--calibrate]
+                                         [--samples gpt:small:16,llama:tiny:16,mlp:large:64]
+                                         [--plans dp,fsdp,...] [--warmup 2] [--steps 4]
+                                         [--csv build/bench_costmodel.csv]
+
+On 4 local processes (one spawn for everything, gloo on CPU, NCCL where every process has a
+GPU), each sample is compiled under every plan of `PLANS` (dp, fsdp, tp, dp x tp,
+fsdp x tp, two-stage pipelines under 1F1B and GPipe, and the search's own pick on a 1-D and
+a 2-D mesh), with the cluster read from `--cluster` (a file `autopar calibrate` wrote;
+`--calibrate` measures one first) re-meshed to the plan's mesh. Each plan trains `--warmup`
++ `--steps` steps (forward, backward, optimizer; the slowest rank's time, median over the
+steps) beside `plan.predicted_step_time`.
+
+Per sample: Spearman's rank correlation of predicted vs measured, the median absolute
+relative error, and the measured rank of the plans the search picked ("auto"). Targets
+(issue 10): Spearman >= 0.9, median error <= 20%, the pick fastest or within 10%.
+Measurements on a shared, loaded machine are noisy: say so beside the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import autopar  # noqa: E402
+from autopar.calibration import calibrate, write_calibration  # noqa: E402
+from autopar.cli.sources import load_model  # noqa: E402
+from autopar.devices import bind_local_device, choose_backend  # noqa: E402
+from autopar.testing.parity import _free_port  # noqa: E402
+from autopar.testing.reference import LR  # noqa: E402
+
+WORLD = 4
+# name -> (mesh, axis names, compile keywords)
+PLANS: dict[str, tuple[tuple[int, ...], tuple[str, ...], dict]] = {
+    "dp": ((4,), ("dp",), {"strategy": "dp"}),
+    "fsdp": ((4,), ("dp",), {"strategy": "fsdp"}),
+    "tp": ((4,), ("tp",), {"strategy": "tp"}),
+    "dp x tp": ((2, 2), ("dp", "tp"), {"strategy": ("dp", "tp")}),
+    "fsdp x tp": ((2, 2), ("dp", "tp"), {"strategy": ("fsdp", "tp")}),
+    "pp2 dp2 1f1b": ((2, 2), ("pp", "dp"), {"strategy": "dp", "schedule": "1f1b"}),
+    "pp2 dp2 gpipe": ((2, 2), ("pp", "dp"), {"strategy": "dp", "schedule": "gpipe"}),
+    "auto 1-D": ((4,), ("dp",), {}),
+    "auto 2-D": ((2, 2), ("dp", "tp"), {}),
+}
+
+
+def _optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR)
+
+
+def run_plan(sample: str, config: str, batch_size: int, name: str, base, args) -> dict:
+    mesh, names, extra = PLANS[name]
+    model, batch = load_model(sample, config, batch_size, seed=0)
+    if "pp" in names:
+        extra = {**extra, "microbatches": 4}
+    out = {"sample": f"{sample}:{config}", "plan": name}
+    try:
+        pm = autopar.compile(
+            model,
+            batch,
+            cluster=base.reshaped(mesh, names),
+            optimizer=_optimizer,
+            activation_checkpointing="none",
+            **extra,
+        )
+    except Exception as exc:  # a plan this sample cannot take: reported, not fatal
+        out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+        return out
+    out["predicted_ms"] = 1e3 * pm.plan.predicted_step_time
+    times = []
+    for i in range(args.warmup + args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = pm.forward_backward(*batch)
+        pm.optimizer_step()
+        float(loss.detach())  # synchronise (a device sync on GPU)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    out["measured_ms"] = 1e3 * statistics.median(slowest.tolist())
+    out["layout"] = pm.plan.solver.get("layout", "") if isinstance(pm.plan.solver, dict) else ""
+    return out
+
+
+def _worker(rank: int, world: int, port: int, backend: str, args, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    bind_local_device(backend, rank)
+    dist.init_process_group(
+        backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900)
+    )
+    try:
+        base = autopar.Cluster.load(args.cluster)
+        results = []
+        for spec in args.samples.split(","):
+            sample, config, batch = spec.split(":")
+            for name in args.plans.split(","):
+                r = run_plan(sample, config, int(batch), name, base, args)
+                results.append(r)
+                if rank == 0:
+                    print(f"  {_row_text(r)}", flush=True)
+        if rank == 0:
+            Path(out_dir, "results.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def _row_text(r: dict) -> str:
+    if "error" in r:
+        return f"{r['sample']:14s} {r['plan']:14s} {r['error']}"
+    err = r["predicted_ms"] / r["measured_ms"] - 1
+    return (
+        f"{r['sample']:14s} {r['plan']:14s} measured {r['measured_ms']:9.1f} ms  "
+        f"predicted {r['predicted_ms']:9.1f} ms  {err:+.0%}"
+    )
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(v):
+            j = i
+            while j + 1 < len(v) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def summarize(results: list[dict]) -> list[str]:
+    lines = []
+    for sample in dict.fromkeys(r["sample"] for r in results):
+        ok = [r for r in results if r["sample"] == sample and "measured_ms" in r]
+        if len(ok) < 2:
+            lines.append(f"{sample}: fewer than 2 plans ran")
+            continue
+        meas = [r["measured_ms"] for r in ok]
+        pred = [r["predicted_ms"] for r in ok]
+        errors = [abs(p / m - 1) for p, m in zip(pred, meas, strict=True)]
+        fastest = min(meas)
+        picks = [r for r in ok if r["plan"].startswith("auto")]
+        pick = min(picks, key=lambda r: r["predicted_ms"]) if picks else None
+        pick_text = (
+            f"search pick ({pick['plan']}) at {pick['measured_ms'] / fastest:.2f}x the fastest"
+            if pick
+            else "no search pick ran"
+        )
+        lines.append(
+            f"{sample}: {len(ok)} plans, Spearman {spearman(pred, meas):.2f}, median |error| "
+            f"{statistics.median(errors):.0%}, {pick_text}"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cluster", default="build/cluster.json")
+    parser.add_argument("--calibrate", action="store_true", help="measure the cluster first")
+    parser.add_argument("--samples", default="gpt:small:16,llama:tiny:16,mlp:large:64")
+    parser.add_argument("--plans", default=",".join(PLANS))
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--csv", default="build/bench_costmodel.csv")
+    args = parser.parse_args(argv)
+    backend = choose_backend(None, WORLD)
+    if args.calibrate or not Path(args.cluster).is_file():
+        Path(args.cluster).parent.mkdir(parents=True, exist_ok=True)
+        cluster, measured = calibrate(WORLD, backend=backend)
+        write_calibration(cluster, measured, args.cluster)
+        print(f"calibrated: {cluster}")
+    with tempfile.TemporaryDirectory(prefix="autopar-bench-") as tmp:
+        mp.spawn(_worker, args=(WORLD, _free_port(), backend, args, tmp), nprocs=WORLD, join=True)
+        results = json.loads(Path(tmp, "results.json").read_text())
+    print("\n".join(_row_text(r) for r in results))
+    print("\n".join(summarize(results)))
+    Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
+    keys = ["sample", "plan", "measured_ms", "predicted_ms", "layout", "error"]
+    with open(args.csv, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(results)
+    print(f"wrote {args.csv}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""`autopar calibrate`: measurements -> a cluster file that `Cluster.load` and `--cluster` read.
+
+The fit is checked on synthetic measurements made by the cost model itself (it must give the
+link back); the command runs once on 2 local processes with the tiny sizes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from autopar.calibration import _fit_link, cluster_from_measurements
+from autopar.cli import app
+from autopar.cli.args import make_cluster
+from autopar.cluster import Cluster, Link
+from autopar.cost_models.comm import collective_time, send_recv_time
+from autopar.devices import choose_backend
+
+
+def _synthetic(link: Link, n: int) -> list[list]:
+    cluster = Cluster.preset("cpu", mesh=(n,))
+    cluster = Cluster(cluster.device, (n,), ("dp",), (link,), "gloo", n)
+    rows = []
+    for nbytes in (2**10, 2**16, 2**20, 2**24):
+        for kind in ("all_gather", "reduce_scatter", "all_to_all"):
+            rows.append([kind, nbytes, collective_time(kind, nbytes, 0, cluster)])
+        rows.append(["p2p", nbytes, send_recv_time(nbytes, link)])
+    return rows
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_fit_recovers_the_link(n: int) -> None:
+    truth = Link(3e9, 40e-6)
+    fitted = _fit_link(_synthetic(truth, n), n, "gloo")
+    assert fitted.bandwidth == pytest.approx(truth.bandwidth, rel=1e-6)
+    assert fitted.latency == pytest.approx(truth.latency, rel=1e-6)
+
+
+def test_cluster_from_measurements_takes_the_best_rates() -> None:
+    m = {
+        "device_name": "x",
+        "memory_bytes": 1e9,
+        "launch_s": 5e-6,
+        "matmul": {
+            "float32": [[1e6, 1e-4, 1e10], [1e9, 2e-2, 5e10]],
+            "bfloat16": [[1e6, 2e-4, 5e9], [1e9, 4e-2, 2.5e10]],
+        },
+        "memory": [[1e6, 1e-5, 1e11], [1e8, 5e-3, 2e10]],  # the largest size counts
+        "attention_flops": 2.5e10,
+        "comm": {"dp": _synthetic(Link(2e9, 30e-6), 2)},
+    }
+    c = cluster_from_measurements(m, (2,), ("dp",), "gloo")
+    assert c.device.peak_flops["float32"] == 5e10 and c.device.memory_bandwidth == 2e10
+    assert c.device.attention_efficiency == pytest.approx(0.5)
+    assert c.device.launch_overhead == 5e-6 and c.device.matmul_half_flops >= 0
+    assert c.links[0].bandwidth == pytest.approx(2e9, rel=1e-6)
+    assert c.reshaped((2,), ("tp",)).links == c.links  # the fabric re-meshes it
+
+
+def test_calibrate_command_writes_a_loadable_cluster(tmp_path: Path) -> None:
+    out = tmp_path / "cluster.json"
+    backend = choose_backend(None, 2)
+    args = ["calibrate", "--nproc", "2", "--sizes", "tiny", "--backend", backend, "-o", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    cluster = Cluster.load(out)
+    assert cluster.mesh_shape == (2,) and cluster.backend == backend
+    assert all(v > 0 for v in cluster.device.peak_flops.values())
+    assert cluster.links[0].bandwidth > 0 and cluster.device.launch_overhead > 0
+    raw = json.loads(out.read_text())
+    assert {"matmul", "memory", "comm"} <= set(raw["calibration"])
+    assert len(raw["calibration"]["comm"]["dp"]) == 2 * 5  # 2 sizes x (4 collectives + p2p)
+    assert make_cluster(str(out), 1, None, "tp").axis_names == ("tp",)

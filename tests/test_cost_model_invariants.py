@@ -1,0 +1,268 @@
+"""Invariants of the cost models that must hold for any device figures (no hard-coded ones).
+
+For every preset and for a random-ish custom machine: a ring all-reduce never costs more
+than a reduce-scatter plus an all-gather of the same bytes; every collective's cost grows
+with its bytes; a faster axis (more bandwidth, less latency) never costs more; achieved
+efficiencies stay in (0, 1]; compute time grows with FLOPs and bytes; hiding communication
+under compute (``comm_overlap``) never makes it cost more. Bucketed gradient reductions
+(``cost_models.buckets``, as ``passes.comm`` runs them) never cost more than one collective per
+tensor (the ILP's price); what the step waits for never exceeds the
+communication, and more compute to hide it under never lengthens the step beyond that
+compute; an all-to-all on a CPU (gloo) group is priced as the all-gather DTensor runs. Pure
+functions (and one plan priced on a fake group): no processes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import replace
+
+import pytest
+
+from autopar.cluster import PRESETS, Cluster, DeviceSpec, Fabric, Link
+from autopar.cost_models import buckets, comm, compute
+from autopar.cost_models.comm import Collective, collective_time
+
+KINDS = [k for k in Collective if k is not Collective.LOCAL]
+SIZES = [0.0, 1.0, 1e3, 6.5e4, 1e6, 3e7, 1e9, 4e10]
+FLOPS = [0.0, 1e3, 1e6, 1e9, 1e12, 1e15]
+CUSTOM = DeviceSpec(
+    "custom",
+    {"float32": 3e13, "bfloat16": 2e14},
+    1e10,
+    1.5e12,
+    matmul_efficiency=0.6,
+    matmul_half_flops=3e8,
+    attention_efficiency=0.4,
+    memory_efficiency=0.7,
+    launch_overhead=7e-6,
+)
+
+
+def _clusters() -> list[Cluster]:
+    out = [Cluster.preset(name, nodes=2, mesh=(2, 2, 4)) for name in PRESETS if name != "cpu"]
+    out.append(Cluster.preset("cpu", nodes=2, mesh=(2, 2, 2)))
+    fabric = Fabric(Link(2e11, 3e-6, 0.7), 8e10, 2e-5, 0.85)
+    links = fabric.axis_links((4, 2, 2), 4)
+    out.append(Cluster(CUSTOM, (4, 2, 2), ("a", "b", "c"), links, "nccl", 4, fabric))
+    return out
+
+
+CLUSTERS = _clusters()
+IDS = [c.device.name for c in CLUSTERS]
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS, ids=IDS)
+def test_all_reduce_never_above_reduce_scatter_plus_all_gather(cluster: Cluster) -> None:
+    for axis, nbytes in itertools.product(range(cluster.ndim), SIZES):
+        ar = collective_time("all_reduce", nbytes, axis, cluster)
+        rs = collective_time("reduce_scatter", nbytes, axis, cluster)
+        ag = collective_time("all_gather", nbytes, axis, cluster)
+        assert ar <= (rs + ag) * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS, ids=IDS)
+def test_cost_grows_with_bytes(cluster: Cluster) -> None:
+    for kind, axis in itertools.product(KINDS, range(cluster.ndim)):
+        times = [collective_time(kind, b, axis, cluster) for b in SIZES]
+        assert times[0] == 0.0
+        assert all(b >= a for a, b in itertools.pairwise(times)), (kind, axis, times)
+        if cluster.mesh_shape[axis] > 1:
+            assert times[-1] > times[1] > 0
+    link = cluster.links[0]
+    p2p = [comm.send_recv_time(b, link) for b in SIZES]
+    assert p2p[0] == 0.0 and all(b >= a for a, b in itertools.pairwise(p2p))
+
+
+def _with_link(cluster: Cluster, axis: int, link: Link) -> Cluster:
+    links = list(cluster.links)
+    links[axis] = link
+    return replace(cluster, links=tuple(links))
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS, ids=IDS)
+def test_faster_axis_never_costs_more(cluster: Cluster) -> None:
+    for axis in range(cluster.ndim):
+        slow = cluster.links[axis]
+        faster = [
+            Link(slow.bandwidth * 2, slow.latency, slow.efficiency),
+            Link(slow.bandwidth, slow.latency / 2, slow.efficiency),
+            Link(slow.bandwidth, slow.latency, min(1.0, slow.efficiency * 1.2)),
+        ]
+        for fast, kind, nbytes in itertools.product(faster, KINDS, SIZES):
+            quick = _with_link(cluster, axis, fast)
+            assert collective_time(kind, nbytes, axis, quick) <= collective_time(
+                kind, nbytes, axis, cluster
+            )
+            assert comm.send_recv_time(nbytes, fast) <= comm.send_recv_time(nbytes, slow)
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS, ids=IDS)
+def test_efficiency_in_unit_interval(cluster: Cluster) -> None:
+    d = cluster.device
+    for value in (d.matmul_efficiency, d.attention_efficiency, d.memory_efficiency):
+        assert 0 < value <= 1
+    for link in (*cluster.links, *((cluster.fabric.intra,) if cluster.fabric else ())):
+        assert 0 < link.efficiency <= 1
+        assert link.bus_bandwidth <= link.bandwidth
+    for op, f in itertools.product(compute.OP_CLASSES, FLOPS):
+        assert 0 < compute.compute_efficiency(f, op, cluster) <= 1
+    # the size curve never decreases with the kernel's size
+    effs = [compute.compute_efficiency(f, "matmul", cluster) for f in FLOPS]
+    assert all(b >= a for a, b in itertools.pairwise(effs))
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS, ids=IDS)
+def test_compute_time_grows_with_work(cluster: Cluster) -> None:
+    for op, dtype, kernels in itertools.product(
+        compute.OP_CLASSES, ("float32", "bfloat16"), (1, 3)
+    ):
+        by_flops = [
+            compute.compute_time(f, 1e6, dtype, cluster, op=op, kernels=kernels) for f in FLOPS
+        ]
+        assert all(b >= a for a, b in itertools.pairwise(by_flops)), (op, dtype, by_flops)
+        by_bytes = [compute.compute_time(1e9, b, dtype, cluster, op=op) for b in SIZES]
+        assert all(b >= a for a, b in itertools.pairwise(by_bytes)), (op, dtype, by_bytes)
+        # never faster than the peaks allow
+        f, b = 1e12, 1e9
+        floor = max(f / cluster.device.peak_flops_for(dtype), b / cluster.device.memory_bandwidth)
+        assert compute.compute_time(f, b, dtype, cluster, op=op) >= floor
+    assert compute.compute_time(0.0, 0.0, "float32", cluster) == 0.0
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS, ids=IDS)
+def test_overlap_never_costs_more(cluster: Cluster) -> None:
+    t = collective_time("all_reduce", 1e8, 0, cluster)
+    previous = comm.exposed(t, cluster)
+    assert previous == t  # presets price every collective as waited at once
+    for overlap in (0.25, 0.5, 0.9):
+        now = comm.exposed(t, replace(cluster, comm_overlap=overlap))
+        assert 0 <= now <= previous
+        previous = now
+
+
+MIB = 1024 * 1024
+GRADS = [  # gradient sizes in backward order: biases, norms, weights, an embedding
+    [4e3] * 30,
+    [MIB / 2, MIB / 2, 10 * MIB, 20 * MIB, 1.0],
+    [3 * MIB, 64e3, 40 * MIB, 4e3, 9 * MIB, 9 * MIB, 9 * MIB, 120 * MIB],
+]
+REDUCTIONS = [Collective.ALL_REDUCE, Collective.REDUCE_SCATTER]
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS, ids=IDS)
+def test_bucketed_reduction_never_costs_more_than_per_tensor(cluster: Cluster) -> None:
+    for kind, axis, sizes in itertools.product(REDUCTIONS, range(cluster.ndim), GRADS):
+        alpha = cluster.links[axis].latency
+        per_tensor = sum(collective_time(kind, b, axis, cluster) + alpha for b in sizes)
+        bucketed = buckets.bucket_times(kind, sizes, axis, cluster)
+        assert sum(bucketed) <= per_tensor * (1 + 1e-12)
+        # one bucket saves at least the launch of every tensor but one
+        if cluster.mesh_shape[axis] > 1 and len(bucketed) == 1 and len(sizes) > 1:
+            assert sum(bucketed) <= (per_tensor - (len(sizes) - 1) * alpha) * (1 + 1e-9)
+        # a pipeline's one flat buffer never costs more than the buckets
+        grads = [(("k",), kind, axis, b) for b in sizes]
+        assert buckets.fused_time(grads, cluster) <= sum(bucketed) * (1 + 1e-12)
+
+
+def _step(cluster: Cluster, scale: float) -> tuple[float, float, float]:
+    """(overlapped step, its compute, all its communication) of a 4-layer FSDP-like step."""
+    layers = 4
+    forward = [scale * 1e-3 * (i + 1) for i in range(layers)]
+    backward = [2 * f for f in forward]
+    gathers = [collective_time("all_gather", 8 * MIB, 0, cluster)] * layers
+    # layer 0 (the last in backward) has no gradients: with ample compute all buckets hide
+    grads = [[]] + [[(("rs",), Collective.REDUCE_SCATTER, 0, b) for b in s] for s in GRADS]
+    grads[2].append((("ar",), Collective.ALL_REDUCE, 0, 3 * MIB))
+    exposed = 1e-4
+    step = buckets.overlapped_step(forward, backward, gathers, gathers, grads, cluster, exposed)
+    compute_s = sum(forward) + sum(backward)
+    comm_s = 2 * sum(gathers) + exposed
+    for key, kind in ((("rs",), Collective.REDUCE_SCATTER), (("ar",), Collective.ALL_REDUCE)):
+        sizes = [b for layer in reversed(grads) for k, _, _, b in layer if k == key]
+        comm_s += sum(buckets.bucket_times(kind, sizes, 0, cluster))
+    return step, compute_s, comm_s
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS, ids=IDS)
+def test_exposed_communication_within_bounds(cluster: Cluster) -> None:
+    previous = math.inf
+    for scale in (0.0, 0.01, 1.0, 100.0, 1e4):
+        step, compute_s, comm_s = _step(cluster, scale)
+        waited = step - compute_s
+        assert -1e-12 <= waited <= comm_s * (1 + 1e-9)
+        assert step >= compute_s and step <= compute_s + comm_s * (1 + 1e-9)
+        # more compute to hide under never shows more communication
+        assert waited <= previous * (1 + 1e-9)
+        previous = waited
+    # with compute dwarfing communication only the first gathers and the exposed term show
+    # (the buckets end before the backward does)
+    step, compute_s, _ = _step(cluster, 1e6)
+    first = collective_time("all_gather", 8 * MIB, 0, cluster)
+    assert step - compute_s == pytest.approx(2 * first + 1e-4, rel=1e-6)
+
+
+def test_serial_channel_and_prefetch() -> None:
+    # one channel: the second bucket waits for the first; 1 s after the backward ends
+    assert buckets.serial_exposure([1.0, 1.0], [2.0, 2.0], 4.0) == pytest.approx(1.0)
+    assert buckets.serial_exposure([0.0, 3.0], [1.0, 1.0], 5.0) == 0.0
+    assert buckets.serial_exposure([], [], 1.0) == 0.0
+    # the first gather is waited in full; the next hides under the previous layer
+    assert buckets.prefetch_exposure([2.0, 2.0, 2.0], [1.0, 3.0, 0.0]) == pytest.approx(3.0)
+    assert buckets.prefetch_exposure([], []) == 0.0
+    # parts without a gather (the head's backward) hide nothing of the first one
+    assert buckets.prefetch_exposure([0.0, 2.0, 2.0], [5.0, 1.0, 0.0]) == pytest.approx(3.0)
+
+
+def test_all_to_all_on_cpu_groups_is_an_all_gather() -> None:
+    cpu = Cluster.preset("cpu", mesh=(4,))
+    assert cpu.backend == "gloo"
+    for nbytes in SIZES:
+        a2a = collective_time("all_to_all", nbytes, 0, cpu)
+        assert a2a == collective_time("all_gather", nbytes, 0, cpu)
+    gpu = Cluster.preset("dgx-h100", nodes=1)
+    assert collective_time("all_to_all", 1e9, 0, gpu) < collective_time("all_gather", 1e9, 0, gpu)
+    nccl_cpu = replace(cpu, backend="nccl")
+    assert collective_time("all_to_all", 1e9, 0, nccl_cpu) < collective_time(
+        "all_gather", 1e9, 0, cpu
+    )
+
+
+def test_plan_prediction_prices_overlap_below_the_ilp() -> None:
+    """The predicted step (overlap as the runtime runs it) never exceeds the ILP objective
+    (every collective waited) by more than one bucket latency per key, equals it without
+    collectives, and a template predicts as the full graph."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.capture import capture
+    from autopar.capture.template import capture_template
+    from autopar.planning import fake_group
+    from autopar.search.costs import CostWeights
+    from autopar.search.intra_op import solve_intra
+    from autopar.search.pins import SearchOptions
+    from autopar.search.step import predicted_step_time
+    from samples import get_sample
+
+    sample = get_sample("gpt")
+    model = sample.build("tiny", device="meta")
+    batch = sample.example_batch(model, 8, device="meta")
+    one, four = Cluster.preset("cpu", mesh=(1,)), Cluster.preset("cpu", mesh=(4,))
+    for cluster, strategy in ((one, "auto"), (four, "auto"), (four, "fsdp")):
+        options = SearchOptions(strategy=strategy, reshard_after_forward=strategy == "fsdp")
+        with fake_group(cluster.world_size):
+            names = cluster.axis_names
+            mesh = init_device_mesh("cpu", cluster.mesh_shape, mesh_dim_names=names)
+            full_graph = capture(model, batch)
+            full = solve_intra(full_graph, cluster, mesh, options)
+            tpl = capture_template(model, batch)
+            weights = CostWeights(tpl.weights)
+            small = solve_intra(tpl.captured, cluster, mesh, options, weights)
+        predicted = predicted_step_time(full_graph, full)
+        assert predicted == pytest.approx(predicted_step_time(tpl.captured, small), rel=1e-9)
+        if cluster.world_size == 1:
+            assert predicted == pytest.approx(full.objective, rel=1e-9)
+        else:
+            keys = 2 * len(Collective)  # an upper bound on (kind, dtype) keys
+            slack = keys * buckets.latency_terms("all_reduce", 0, cluster)
+            assert 0 < predicted <= full.objective + slack

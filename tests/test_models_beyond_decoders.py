@@ -1,0 +1,104 @@
+"""Models beyond decoder-only language models train with single-device parity.
+
+* A ResNet-style CNN with BatchNorm (``samples/cnn.py``): the running statistics and batch
+  counters are state the step updates, and batch-sharded BatchNorm uses the global batch's
+  statistics (SyncBatchNorm semantics), so loss, gradients, parameters *and buffers* match
+  one device.
+* A ViT (``samples/vit.py``, patch-embedding convolution + encoder) and an encoder-decoder
+  with cross-attention (``samples/encdec.py``).
+* A mixture-of-experts layer that dispatches with ``F.one_hot``: the index-range check
+  ``one_hot`` inserts (``aten._assert_async.msg``) is dropped at capture, never reaching a rank.
+
+All multi-process cases share one spawn of 4 ranks (tiny configs, 2 steps, one case per
+model; the other strategies (dp, fsdp, dp x tp for each) pass the same way when run by hand).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from autopar.capture import capture
+from autopar.capture.export import RUNTIME_CHECKS
+from autopar.testing.parity import ParityCase, run_parity
+
+STEPS = 2
+MOE = f"{Path(__file__).resolve()}:build_moe"
+
+
+class OneHotMoE(nn.Module):
+    """Top-1 routed experts computed densely and combined with a ``one_hot`` mask."""
+
+    def __init__(self, dim: int = 16, experts: int = 4, hidden: int = 32) -> None:
+        super().__init__()
+        self.experts = experts
+        self.router = nn.Linear(dim, experts)
+        self.w1 = nn.Parameter(torch.randn(experts, dim, hidden) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(experts, hidden, dim) * 0.1)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        logits = self.router(x)  # [B, T, E]
+        mask = F.one_hot(logits.argmax(-1), self.experts).to(x.dtype)
+        gate = torch.softmax(logits, -1) * mask
+        h = F.gelu(torch.einsum("btd,edh->bteh", x, self.w1))
+        out = (torch.einsum("bteh,ehd->bted", h, self.w2) * gate.unsqueeze(-1)).sum(2)
+        return F.mse_loss(self.out(out + x), y)
+
+
+def build_moe(config_name: str = "tiny") -> OneHotMoE:
+    return OneHotMoE()
+
+
+def example_batch(model: OneHotMoE, batch_size: int) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(batch_size, 4, 16, generator=gen) for _ in range(2))
+    return x, y
+
+
+def test_one_hot_runtime_checks_are_dropped_at_capture() -> None:
+    torch.manual_seed(0)
+    model = build_moe()
+    captured = capture(model, example_batch(model, 8))
+    checks = [n for n in captured.gm.graph.nodes if n.target in RUNTIME_CHECKS]
+    assert not checks
+    # the condition the check computed (any(index >= num_classes)) is gone with it
+    assert not [n for n in captured.gm.graph.nodes if n.target == torch.ops.aten.any.dims]
+
+
+# one case per model (the CI budget): BatchNorm under data parallelism (batch-sharded
+# statistics), the others under data x tensor parallelism
+CASES = [
+    ParityCase("cnn", (4,), ("dp",), "dp", steps=STEPS),
+    ParityCase("vit", (2, 2), ("dp", "tp"), ("dp", "tp"), steps=STEPS),
+    ParityCase("encdec", (2, 2), ("dp", "tp"), ("dp", "tp"), steps=STEPS),
+    ParityCase(MOE, (2, 2), ("dp", "tp"), ("dp", "tp"), steps=STEPS),
+]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return {r.label: r for r in run_parity(CASES, world_size=4)}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.label.rsplit("/", 1)[-1] for c in CASES])
+def test_parity(case: ParityCase, results) -> None:
+    res = results[case.label]
+    assert res.error is None, res.error
+    assert len(res.losses) == STEPS
+    assert res.loss_rel_err <= 1e-5, res
+    assert res.grad_err <= 1e-5, res
+    assert res.param_err <= 1e-3 * STEPS, res  # AdamW's lr bounds float noise per step
+    assert res.buffer_err <= 1e-5, res  # running statistics and counters
+
+
+def test_batch_norm_statistics_are_global(results) -> None:
+    """Under data parallelism the statistics are the global batch's (DDP's local ones
+    differ), so the running statistics match one device's."""
+    res = results[CASES[0].label]
+    assert res.roles == {"dp": "dp"}, res.roles
+    assert res.buffer_err <= 1e-5 < res.ddp_param_err, res

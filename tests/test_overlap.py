@@ -1,0 +1,277 @@
+"""The communication pass (passes/comm.py): bucketing and overlap keep parity.
+
+One process on a fake group: the rewrite of lowered dp / fsdp programs (how many collectives,
+buckets as `bucket_plan` assigns them, every collective right after its last input, every
+wait right before its first reader). Four gloo processes, one spawn: dp, fsdp and dp x tp
+trained with the scheduling on and off (both bucketed) give bit-identical losses and
+gradients, and match the single-device reference within the parity tolerances (a bucketed
+reduction may differ from per-tensor ones in the last bit: the ring's summation order
+depends on an element's offset in the buffer).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import autopar
+from autopar._compat import FakeStore
+from autopar.cli.sources import load_model
+from autopar.options import PlanOptions
+from autopar.passes.comm import (
+    ALL_GATHER,
+    OFF,
+    UNPACK,
+    VIEWS,
+    WAITS,
+    CommOptions,
+    bucket_plan,
+)
+from autopar.passes.recompute import is_backward, layer_of
+from autopar.planning import plan_for_ranks
+from autopar.runtime.parallel_model import ParallelModel
+from autopar.testing.parity import LR, _free_port, init_rank, test_backend
+from autopar.testing.reference import train_single_device
+
+STEPS = 2
+
+
+def _starts(gm) -> list:
+    return [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and getattr(n.target, "namespace", "") == "_c10d_functional"
+        and n.target not in WAITS
+    ]
+
+
+@functools.cache
+def _planned(strategy: str, reshard: bool = False) -> tuple:
+    model, batch = load_model("gpt", "tiny", 8, seed=0)
+    cluster = autopar.Cluster.local(mesh=(4,), axis_names=("dp",))
+    options = PlanOptions(strategy=strategy, reshard_after_forward=reshard)
+    plan, captured, mesh = plan_for_ranks(model, batch, cluster, None, options, None)
+    return model, captured, plan, mesh
+
+
+def _program(strategy: str, comm: CommOptions, reshard: bool = False):
+    return ParallelModel(*_planned(strategy, reshard), comm=comm).program.gm
+
+
+@pytest.fixture(scope="module")
+def fake_group() -> Iterator[None]:
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    yield
+    _planned.cache_clear()
+    dist.destroy_process_group()
+
+
+def test_bucket_plan_follows_ddp() -> None:
+    mib = 1 << 20
+    assert bucket_plan([mib // 2, mib // 2, 10 * mib, 20 * mib, 1]) == [[0, 1], [2, 3], [4]]
+    assert bucket_plan([3 * mib], first_bucket_bytes=mib) == [[0]]
+    assert bucket_plan([]) == []
+    with pytest.raises(ValueError, match="positive"):
+        CommOptions(bucket_bytes=0)
+
+
+def test_rewrite_buckets_and_overlaps(fake_group) -> None:
+    # dp: one all-reduce per gradient, waited at once, all after the backward
+    plain = _program("dp", OFF)
+    grads = [n for n in _starts(plain) if is_backward(n) and n.meta["val"].dim() > 0]
+    assert len(grads) >= 20 and all(n.next.target in WAITS for n in _starts(plain))
+    sizes = [g.meta["val"].numel() * 4 for g in grads]
+    # a first bucket that one gradient fills, then one bucket for the rest
+    small = CommOptions(first_bucket_bytes=1, bucket_bytes=sum(sizes))
+    for comm, n_buckets in ((CommOptions(), 1), (small, 2)):
+        gm = _program("dp", comm)
+        reduces = [n for n in _starts(gm) if is_backward(n) and n.meta["val"].dim() > 0]
+        assert len(reduces) == n_buckets
+        assert sum(n.meta["val"].numel() * 4 for n in reduces) == sum(sizes)
+        _check_schedule(gm, plain)
+    # fsdp: one all-gather per transformer block (forward), one bucketed reduce-scatter
+    gm = _program("fsdp", CommOptions())
+    lowered = _program("fsdp", OFF)
+    before = len(_starts(lowered))
+    starts = _starts(gm)
+    assert len(starts) < before / 3, (len(starts), before)
+    per_block = [n for n in starts if n.target is ALL_GATHER and layer_of(n) is not None]
+    assert len(per_block) == 2  # gpt tiny: two blocks
+    _check_schedule(gm, lowered)
+
+
+def test_gathers_prefetch_one_layer_and_regathers_stay(fake_group) -> None:
+    # fsdp + reshard: a block's forward gather is issued at the previous one's wait (one
+    # ahead, never at the program's start); its backward re-gather where `passes.recompute`
+    # put it, just before its first reader
+    gm = _program("fsdp", CommOptions(), reshard=True)
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    gathers = [n for n in _starts(gm) if n.target is ALL_GATHER and layer_of(n) is not None]
+    forward = [g for g in gathers if not is_backward(g)]
+    backward = [g for g in gathers if is_backward(g)]
+    assert len(forward) == len(backward) == 2  # gpt tiny: two blocks, gathered twice
+    waits = {g: next(iter(g.users)) for g in gathers}
+    for g in gathers:
+        # nothing but the copy-in, other collectives and views between issue and wait
+        between = nodes[pos[g] + 1 : pos[waits[g]]]
+        pending = [w for w in waits.values() if pos[g] < pos[w] < pos[waits[g]]]
+        assert len(pending) <= (1 if g in forward else 0), (g, pending)
+        assert all(_is_comm(n) or n.target in VIEWS for n in between) or g in forward, between
+    # the first block's gather is not issued before the embedding's compute starts
+    first_compute = min(pos[n] for n in nodes if n.target is torch.ops.aten.embedding.default)
+    assert all(pos[g] > first_compute for g in gathers)
+    # the backward re-gather of a block follows the whole forward and every re-gather's
+    # result is first read by that block's backward
+    loss_grad = min(pos[n] for n in nodes if is_backward(n))
+    assert all(pos[g] > loss_grad for g in backward)
+
+
+def _check_schedule(gm, lowered) -> None:
+    """Gradient reductions issued right after their last input, parameter gathers one ahead,
+    other collectives where `lowered` (the program as traced) has them; waits just before
+    their first reader (views of a result, and a fused result's unpacking, go with it)."""
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    copy_in = set()  # what only feeds collectives (the prefetched gather's flat input)
+    for n in reversed(nodes):
+        if n.users and all(_is_comm(u) and u.target not in WAITS or u in copy_in for u in n.users):
+            copy_in.add(n)
+    for c in _starts(gm):
+        wait = next(iter(c.users))
+        last = max(pos[a] for a in c.all_input_nodes)
+        between = nodes[last + 1 : pos[c]]
+        if not _reduces_gradient(wait) and not _prefetched(c, nodes, copy_in):
+            # an activation's (or the loss's) collective: issued where the program as
+            # lowered issues it (not earlier: its buffers live as priced)
+            before = {n.name for n in nodes[: pos[c]]}
+            ref = next(n for n in lowered.graph.nodes if n.name == c.name)
+            assert {n.name for n in _compute_before(ref)} <= before, c.name
+            continue
+        # a gradient reduction: right after its last input (other collectives issued at the
+        # same point aside); a parameter gather: prefetched one ahead, at the previous
+        # gather's wait
+        assert all(_is_comm(n) for n in between) or _prefetched(c, nodes, copy_in), c.name
+        readers = [u for u in wait.users]
+        first = min(pos[u] for u in readers)
+        between = nodes[pos[wait] + 1 : first]
+        unpack = _unpacking(wait)  # a fused result's split and copies, made at its wait
+        ok = [_is_comm(n) or n.target in VIEWS or n in copy_in or n in unpack for n in between]
+        assert all(ok), (wait, between)
+
+
+def _reduces_gradient(wait) -> bool:
+    """Its result is read by the program's output only (through the unpacking)."""
+    unpack = _unpacking(wait)
+    return all(u.op == "output" for n in [wait, *unpack] for u in n.users if u not in unpack)
+
+
+def _compute_before(node) -> list:
+    out, n = [], node.prev
+    while n.op != "root":
+        if n.op == "call_function" and not _is_comm(n) and n.target not in VIEWS:
+            out.append(n)
+        n = n.prev
+    return out
+
+
+def _unpacking(wait) -> set:
+    out, todo = set(), [wait]
+    while todo:
+        for u in todo.pop().users:
+            if u.target in UNPACK and u not in out:
+                out.add(u)
+                todo.append(u)
+    return out
+
+
+def _is_comm(n) -> bool:
+    return getattr(n.target, "namespace", "") == "_c10d_functional"
+
+
+def _prefetched(c, nodes, copy_in) -> bool:
+    i = nodes.index(c) - 1
+    while nodes[i] in copy_in or _is_comm(nodes[i]) and nodes[i].target not in WAITS:
+        i -= 1
+    first = not any("all_gather" in str(n.target) for n in nodes[: i + 1])
+    return "all_gather" in str(c.target) and (nodes[i].target in WAITS or first)
+
+
+# ----------------------------------------------------------------- 4 processes, one spawn
+RUNS = [((4,), ("dp",), "dp"), ((4,), ("dp",), "fsdp"), ((2, 2), ("dp", "tp"), ("dp", "tp"))]
+
+
+def _train(model, batch, plan, captured, mesh, comm) -> tuple[list[float], list[dict]]:
+    pm = ParallelModel(
+        model, captured, plan, mesh, lambda ps: torch.optim.AdamW(ps, lr=LR), comm=comm
+    )
+    losses, grads = [], []
+    for _ in range(STEPS):
+        losses.append(float(pm.forward_backward(*batch)))
+        grads.append({k: g.clone() for k, g in pm.local_grads().items()})
+        pm.optimizer_step()
+    return losses, grads, pm
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, backend: str) -> None:
+    init_rank(rank, world, port, backend)
+    report = []
+    try:
+        for mesh_shape, names, strategy in RUNS:
+            model, batch = load_model("gpt", "tiny", 8, seed=0)
+            ref = train_single_device(model, batch, STEPS)
+            cluster = autopar.Cluster.local(mesh=mesh_shape, axis_names=names)
+            plan, captured, mesh = plan_for_ranks(
+                model, batch, cluster, None, PlanOptions(strategy=strategy), None
+            )
+            # scheduling changes no number: bucketed without and with the overlap
+            unscheduled = CommOptions(overlap=False)
+            off_losses, off_grads, _ = _train(model, batch, plan, captured, mesh, unscheduled)
+            losses, grads, pm = _train(model, batch, plan, captured, mesh, CommOptions())
+            same = losses == off_losses and all(
+                torch.equal(a[k], b[k]) for a, b in zip(grads, off_grads, strict=True) for k in a
+            )
+            grad_err = max(
+                (g - pm.expected_grad(k, ref.grads[s][k])).abs().max().item()
+                / (ref.grads[s][k].abs().max().item() + 1e-12)
+                for s, step in enumerate(grads)
+                for k, g in step.items()
+            )
+            loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref.losses, strict=True))
+            report.append(
+                {
+                    "run": f"{names}-{strategy}",
+                    "bitwise": same,
+                    "grad_err": grad_err,
+                    "loss_err": loss_err,
+                    "collectives": len(_starts(pm.program.gm)),
+                }
+            )
+            dist.barrier()
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+        dist.destroy_process_group()
+
+
+def test_pass_changes_no_number() -> None:
+    world = 4
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(
+            _worker, args=(world, _free_port(), tmp, test_backend(world)), nprocs=world, join=True
+        )
+        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+    assert all(len(r) == len(RUNS) for r in ranks), ranks
+    for rows in zip(*ranks, strict=True):
+        for row in rows:
+            print(row)
+            assert row["bitwise"], row
+            assert row["loss_err"] < 1e-5 and row["grad_err"] < 1e-5, row

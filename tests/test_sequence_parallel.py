@@ -1,0 +1,86 @@
+"""Sequence parallelism (Megatron-SP) is found by the search and trains like one device.
+
+- Planning only (fake process group, meta device): Llama-3-8B's layers at a long sequence on
+  one DGX-H100 node with TP=8; the search, not a pin, puts every RMSNorm (decomposed:
+  ``x * rsqrt(mean(x**2) + eps)``) on the sequence dim, so `inspect` names the axis
+  "tp+sp" and lists the reduce-scatter / all-gather traffic.
+- Parity (4 gloo processes, one spawn for SP and context parallelism): ``strategy="sp"``
+  pins TP with sequence-sharded norms, TP = 2 (x DP 2) for an RMSNorm model (Llama) and
+  TP = 4 for a LayerNorm one (GPT); ``strategy="cp"`` splits attention's queries on the
+  sequence with all-gathered K/V, CP = 2 (x DP 2) and CP = 4, causal (Llama) and
+  non-causal (the encoder of ``tests/test_context_parallel.py``); ``strategy="ep"`` splits
+  tokens and stacked expert weights (``samples/moe.py``), EP = 4 (top-2, shared expert),
+  EP = 2 x DP 2 (top-1), and EP x TP+SP (top-2; the expert axis must show "dp+ep").
+  Losses, gradients and parameters match the single-device run (which drops the same
+  tokens: routing is the same computation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import autopar
+from autopar.cluster import Cluster
+from autopar.testing.parity import LR, ParityCase, run_parity
+from autopar.views import axis_roles, summary
+from autopar.views.describe import seq_sharded_norms
+from samples.llama import Llama, LlamaConfig, example_batch
+
+WORLD, STEPS = 4, 3
+
+ENCODER = "tests/test_context_parallel.py:build_encoder"
+CASES = {  # case -> the role the plan's last axis must show
+    ParityCase("llama", (2, 2), ("dp", "tp"), ("dp", "sp"), steps=STEPS): "tp+sp",
+    ParityCase("gpt", (4,), ("tp",), "sp", steps=STEPS): "tp+sp",
+    ParityCase("llama", (2, 2), ("dp", "cp"), ("dp", "cp"), steps=STEPS): "cp",
+    ParityCase("llama", (4,), ("cp",), "cp", steps=STEPS): "cp",
+    ParityCase(ENCODER, (2, 2), ("dp", "cp"), ("dp", "cp"), steps=STEPS): "cp",
+    ParityCase(ENCODER, (4,), ("cp",), "cp", steps=STEPS): "cp",
+    ParityCase("moe", (4,), ("ep",), "ep", config="tiny-shared", steps=STEPS): "dp+ep",
+    ParityCase("moe", (2, 2), ("dp", "ep"), ("dp", "ep"), config="tiny-top1", steps=STEPS): "dp+ep",
+    ParityCase("moe", (2, 2), ("ep", "tp"), ("ep", "sp"), steps=STEPS): "tp+sp",
+}
+
+
+def test_long_sequence_tp8_shards_every_norm_on_the_sequence() -> None:
+    # Llama-3-8B's width, heads and vocabulary; 2 of its 32 identical blocks keep this fast
+    cfg = dataclasses.replace(LlamaConfig.llama3_8b(), max_seq_len=32768, n_layers=2)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    batch = example_batch(cfg, 1, device="meta")
+    cluster = Cluster.preset("dgx-h100", nodes=1)
+    plan = autopar.plan(model, batch, cluster=cluster, strategy="tp")
+    assert axis_roles(plan) == ["tp+sp"], summary(plan)
+    norms = [n for n in plan.nodes if n.op == "rsqrt.default"]
+    assert len(norms) == 2 * cfg.n_layers + 1
+    assert seq_sharded_norms(plan, 0) == norms, summary(plan)
+    assert plan.predicted_peak_memory <= cluster.device.memory_bytes
+    text = summary(plan)
+    assert "gpu: SP norms 5/5" in text and "reduce_scatter" in text, text
+
+
+@pytest.mark.multiproc
+def test_sequence_context_and_expert_parallel_match_single_device() -> None:
+    cases = list(CASES)
+    results = run_parity(cases, WORLD)
+    failures = []
+    for case, res in zip(cases, results, strict=True):
+        if res.error:
+            failures.append(f"{res.label}: {res.error}")
+            continue
+        line = (
+            f"{res.label}: loss {res.loss_rel_err:.1e} grad {res.grad_err:.1e} "
+            f"param {res.param_err:.1e} roles {res.roles}"
+        )
+        print(line)
+        if res.loss_rel_err > 1e-5 or res.grad_err > 1e-5 or res.param_err > LR * STEPS:
+            failures.append("tolerance exceeded: " + line)
+        axis, role = case.axis_names[-1], CASES[case]
+        if res.roles[axis] != role:
+            failures.append(f"{res.label}: axis {axis} plays {res.roles[axis]}, not {role}")
+        if "ep" in case.axis_names and res.roles["ep"] != "dp+ep":
+            failures.append(f"{res.label}: axis ep plays {res.roles['ep']}, not dp+ep")
+    assert not failures, "\n".join(failures)

@@ -1,0 +1,54 @@
+"""The whole model planned from its two-block template equals the plan of the full capture.
+
+`autopar.search.template_plan` solves the ILP on the template and replicates a repeated
+block's decisions; the full capture's ILP shares those decisions across blocks. Both must
+give the same placements for every node and parameter, the same levers per layer and the
+same objective (fake process group, meta models: no processes).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from autopar.capture.template import capture_template
+from autopar.cluster import Cluster
+from autopar.options import PlanOptions
+from autopar.planning import fake_group, prepare_search
+from autopar.search.template_plan import template_nodes
+from samples import get_sample
+
+CASES = [  # (sample, options, mesh)
+    ("gpt", {}, (2, 2)),
+    ("llama", {}, (4,)),
+    ("gpt", {"memory_limit": 6.0e5}, (4,)),  # tight: the memory levers and sharding decide
+    ("llama", {"pipeline_stages": 2, "microbatches": 2}, (2, 4)),
+]
+
+
+def _plans(sample_name: str, options: PlanOptions, mesh: tuple[int, ...]):
+    sample = get_sample(sample_name)
+    model = sample.build("tiny4", device="meta")
+    batch = sample.example_batch(model, 8, device="meta")
+    cluster = Cluster.preset("cpu", mesh=mesh)
+    job, captured, regions, _ = prepare_search(model, batch, cluster, None, options)
+    # (`plan` takes the template route from TEMPLATE_MIN_BLOCKS blocks; tiny4 has 4)
+    tpl = capture_template(model, job.capture_batch(batch))
+    assert tpl.total_layers == 4
+    assert template_nodes(captured, tpl.captured) is not None
+    with fake_group(job.cluster.world_size):
+        mesh = job.cluster.device_mesh(device_type="cpu")
+        full = job.search(captured, mesh, regions)
+        fast = job.search(captured, mesh, regions, tpl)
+    return full, fast
+
+
+@pytest.mark.parametrize(("sample_name", "extra", "mesh"), CASES)
+def test_template_plan_equals_full_plan(sample_name: str, extra: dict, mesh) -> None:
+    full, fast = _plans(sample_name, PlanOptions(**extra), mesh)
+    assert "template_blocks" in fast.solver and "template_blocks" not in full.solver
+    assert fast.nodes == full.nodes  # every node's placements, operands and reshards
+    assert fast.tensors == full.tensors  # every parameter's and input's storage spec
+    assert fast.memory == full.memory  # recompute / reshard-after-forward per layer
+    assert fast.pipeline == full.pipeline
+    assert fast.predicted_step_time == pytest.approx(full.predicted_step_time, rel=1e-9)
+    assert fast.predicted_peak_memory == pytest.approx(full.predicted_peak_memory, rel=1e-9)
