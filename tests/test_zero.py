@@ -52,7 +52,7 @@ PIPELINED = [
         "dp",
         config="tiny4",
         schedule="1f1b",
-        microbatches=4,
+        microbatches=2,
         shard_optimizer=True,
     ),
     ParityCase(
