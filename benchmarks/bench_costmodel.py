@@ -22,7 +22,6 @@ Measurements on a shared, loaded machine are noisy: say so beside the figures.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import json
 import os
@@ -44,6 +43,7 @@ from autopar.cli.sources import load_model  # noqa: E402
 from autopar.devices import bind_local_device, choose_backend  # noqa: E402
 from autopar.testing.parity import _free_port  # noqa: E402
 from autopar.testing.reference import LR  # noqa: E402
+from autopar.views.bench import write_rows_csv  # noqa: E402
 
 WORLD = 4
 # name -> (mesh, axis names, compile keywords)
@@ -201,12 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         results = json.loads(Path(tmp, "results.json").read_text())
     print("\n".join(_row_text(r) for r in results))
     print("\n".join(summarize(results)))
-    Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
     keys = ["sample", "plan", "measured_ms", "predicted_ms", "layout", "error"]
-    with open(args.csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(results)
+    write_rows_csv(args.csv, results, keys)
     print(f"wrote {args.csv}")
     return 0
 

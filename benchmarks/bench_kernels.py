@@ -29,7 +29,6 @@ the table says which backend ran. CPU times are one wall-clock run, for orientat
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import resource
@@ -195,11 +194,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     losses = {r["variant"]: r["loss"] for r in rows}
     print("losses:", ", ".join(f"{k}={v:.6f}" for k, v in losses.items()))
     if args.csv:
-        args.csv.parent.mkdir(parents=True, exist_ok=True)
-        with args.csv.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        from autopar.views.bench import write_rows_csv
+
+        write_rows_csv(args.csv, rows)
         print(f"wrote {args.csv}")
     return rows
 

@@ -15,7 +15,6 @@ RSS). The prediction is `plan.predicted_peak_memory` / `plan.predicted_memory`
 from __future__ import annotations
 
 import argparse
-import csv
 import inspect
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import autopar  # noqa: E402
 from autopar.runtime.memory_stats import CATEGORIES  # noqa: E402
 from autopar.testing.memory import MemoryCase, RankMemory, run_memory  # noqa: E402
+from autopar.views.bench import write_rows_csv  # noqa: E402
 
 WORLD = 4
 # name -> (mesh, axis names, strategy, extra compile keywords, pipeline (schedule, M))
@@ -124,13 +124,8 @@ def main() -> None:
     rows = rows_of(run_memory(cases, WORLD)) if cases else []
     print_table(rows, skipped)
     if rows:
-        path = Path(args.csv)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-        print(f"wrote {path}")
+        write_rows_csv(args.csv, rows)
+        print(f"wrote {args.csv}")
 
 
 if __name__ == "__main__":

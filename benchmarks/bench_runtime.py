@@ -39,7 +39,6 @@ program issues (static count) -- where autopar's extra time goes.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import json
 import os
@@ -63,6 +62,7 @@ from autopar.passes.comm import OFF as COMM_OFF  # noqa: E402
 from autopar.runtime.parallel_model import ParallelModel  # noqa: E402
 from autopar.testing.parity import _free_port  # noqa: E402
 from autopar.testing.reference import LR  # noqa: E402
+from autopar.views.bench import write_rows_csv  # noqa: E402
 
 WORLD = 4
 FAMILIES = ("dp", "fsdp", "tp")
@@ -421,13 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows)
     if args.profile:
         print_profile(results)
-    out = Path(args.csv)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"\nwrote {out}")
+    write_rows_csv(args.csv, rows)
+    print(f"\nwrote {args.csv}")
     bad = check_losses(results, args.tol)
     for line in bad:
         print(f"DIVERGED {line}", file=sys.stderr)

@@ -28,7 +28,6 @@ search, full capture, final ILP) on the largest row selected.
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import time
 import warnings
@@ -42,6 +41,7 @@ from autopar.cluster import Cluster  # noqa: E402
 from autopar.planning import fake_group  # noqa: E402
 from autopar.search.layouts import Layout, _Pricer, search_layout  # noqa: E402
 from autopar.search.pins import SearchOptions  # noqa: E402
+from autopar.views.bench import write_rows_csv  # noqa: E402
 from samples import get_sample  # noqa: E402
 from samples.gpt import MEGATRON_SHAPES  # noqa: E402
 
@@ -174,11 +174,7 @@ def main() -> None:
         r = run_row(row, args.comm_overlap)
         results.append(r)
         print(" | ".join(fmt.format(r[name]) for name, fmt in COLUMNS), flush=True)
-    Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(results[0]))
-        writer.writeheader()
-        writer.writerows(results)
+    write_rows_csv(args.csv, results)
     print(f"wrote {args.csv}")
     within = sum(abs(r["error"]) <= 0.15 for r in results)
     print(f"Megatron's layouts priced within 15% of the published TFLOP/s: {within}/{len(results)}")

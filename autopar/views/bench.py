@@ -84,3 +84,14 @@ def write_bench_csv(path: Path, rows: Sequence[BenchRow], base: float) -> None:
                     r.error,
                 ]
             )
+
+
+def write_rows_csv(path: Path | str, rows: Sequence[dict], fields: Sequence[str] = ()) -> None:
+    """A benchmark's rows (dicts) as CSV at `path` (parent made): `fields`, or the first row's
+    keys; keys outside `fields` are left out."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(fields or rows[0]), extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
