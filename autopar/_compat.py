@@ -19,6 +19,7 @@ does not suffice:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -122,6 +123,7 @@ __all__ = [
     "op_strategy_func",
     "register_dtensor_handler",
     "register_op_strategy",
+    "shape_only_mesh",
     "single_dim_rule",
     "tree_flatten",
     "tree_unflatten",
@@ -245,12 +247,13 @@ def is_collective_op(func: object) -> bool:
 
 def merge_collective_bucket(
     graph: torch.fx.Graph, nodes: list[torch.fx.Node], insert_before: torch.fx.Node
-) -> None:
+) -> dict[torch.fx.Node, torch.fx.Node]:
     """Replace the functional collectives ``nodes`` (all all_reduce, reduce_scatter_tensor or
     all_gather_into_tensor, same group and dtype, each waited once) by one collective on their
     flat concatenation whose split views replace their waits, inserted before
-    ``insert_before``. Inductor's bucketing pass does exactly this (no public API); imported
-    here on first use (it loads inductor, ~1-3 s)."""
+    ``insert_before``; returns each old wait's replacement (erased wait -> new node). Inductor's
+    bucketing pass does exactly this (no public API); imported here on first use (it loads
+    inductor, ~1-3 s)."""
     from torch._inductor.fx_passes import bucketing
 
     merge = {
@@ -258,7 +261,8 @@ def merge_collective_bucket(
         "reduce_scatter_tensor": bucketing.merge_reduce_scatter_bucket,
         "all_gather_into_tensor": bucketing.merge_all_gather_bucket,
     }[nodes[0].target._schema.name.split("::")[-1]]
-    merge(graph, nodes, mode="default", insert_before=insert_before)
+    _, replacements = merge(graph, nodes, mode="default", insert_before=insert_before)
+    return replacements
 
 
 # ------------------------------------------------------------------ pipeline schedules
@@ -318,11 +322,12 @@ def dispatch_with_local(
     op_call: OpOverload,
     args: tuple,
     kwargs: dict,
-    local_call: Callable[[tuple, dict, Any], object],
+    local_call: Callable[[tuple, dict, Any, tuple], object],
 ) -> object:
     """DTensor's own dispatch of `op_call` (propagate, redistribute the inputs, wrap the
     outputs), with the local computation `local_call(local_args, local_kwargs,
-    output_spec)` in place of `op_call(*local_args, **local_kwargs)`."""
+    output_spec, input_specs)` in place of `op_call(*local_args, **local_kwargs)`;
+    `input_specs` are the tensor args' `DTensorSpec`s as the op receives them."""
     dispatcher = DTensor._op_dispatcher
     op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
     dispatcher.sharding_propagator.propagate(op_info)
@@ -338,5 +343,22 @@ def dispatch_with_local(
         if op_info.args_tree_spec
         else tuple(op_info.local_args)
     )
-    result = local_call(tuple(local_args), dict(op_info.local_kwargs), sharding.output_spec)
+    schema = sharding.redistribute_schema if sharding.needs_redistribute else op_info.schema
+    assert schema is not None
+    result = local_call(
+        tuple(local_args), dict(op_info.local_kwargs), sharding.output_spec, schema.args_spec
+    )
     return dispatcher.wrap(result, sharding.output_spec)
+
+
+def shape_only_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """A DeviceMesh of `shape` that creates no process groups (`_init_backend=False`):
+    planning reads only shapes, so rank 0 of a running job can price meshes the job never
+    builds. torch reads `_dim_group_names` when slicing; empty, its slices have no groups
+    either."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = torch.arange(math.prod(shape)).reshape(shape)
+    mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names, _init_backend=False)
+    mesh._dim_group_names = []
+    return mesh

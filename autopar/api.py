@@ -3,7 +3,9 @@
 Both first build one `autopar.options.PlanOptions` from their keywords, so a bad option
 fails before the model is captured; `autopar.planning` does the rest.
 compile: capture -> (search on rank 0, broadcast | load a saved plan) -> every rank checks the
-plan's hash against rank 0's -> lower -> ParallelModel (PipelineModel when pipelined).
+plan's hash against rank 0's -> lower -> ParallelModel (PipelineModel when pipelined). A
+searched layout is searched on rank 0 under the job's process group (meshes of any shape,
+without process groups) and applied by every rank on the plan's mesh.
 plan: the same search with no processes: a fake process group of the cluster's size and a
 model that may live on the meta device.
 """
@@ -52,9 +54,16 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     """Plan (or apply `plan`) and build this rank's share of the model for training.
 
     Every rank calls it with the same model (same initial weights) and the same GLOBAL batch.
-    Pipelining: name the first mesh axis "pp" or pass `pipeline_stages`; `microbatches`,
-    `schedule` (gpipe, 1f1b, interleaved1f1b, interleavedzb, zbv, dualpipev) and
-    `stage_cuts` (first layer of each stage) pin what the search would choose.
+    What is searched: by default everything, the layout included (pipeline degree, stage
+    cuts, every stage's (dp, tp) mesh, microbatches, schedule), when nothing pins the mesh:
+    a cluster on its hardware mesh (`Cluster.preset`'s default, e.g. `nodes=4` without
+    `mesh=`), `strategy="auto"`, no `placements`, no `stage_cuts`. A mesh the user gives
+    (other sizes or axis names), a named strategy or placements keep that mesh, pipelined
+    only if its first axis is named "pp" or `pipeline_stages=n` (n > 1) splits it.
+    `pipeline_stages=1` turns pipelining off, `"auto"` searches the layout whatever the
+    mesh. `microbatches`, `schedule` (gpipe, 1f1b, interleaved1f1b, interleavedzb, zbv,
+    dualpipev) and `stage_cuts` (first layer of each stage) pin what the search would
+    choose. A searched layout runs on the plan's mesh (`plan.mesh_shape`), not the cluster's.
     `fusion="triton"` swaps matched regions (residual add + LayerNorm/RMSNorm, SwiGLU,
     bias + GELU, head matmul + cross-entropy) for autopar's Triton kernels; without a GPU
     they run only under TRITON_INTERPRET=1.
@@ -87,12 +96,6 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         activation_checkpointing=activation_checkpointing,
         reshard_after_forward=reshard_after_forward,
     )
-    if options.searches_layout:
-        raise ValueError(
-            "pipeline_stages='auto' searches the pipeline degree while planning: "
-            "run autopar.plan(..., pipeline_stages='auto') (or `autopar plan`) "
-            "and pass the result as plan= to compile"
-        )
     if not dist.is_initialized():
         raise RuntimeError(
             "autopar.compile needs a process group: launch with torchrun (or "
@@ -142,9 +145,11 @@ def plan(
     devices holding the same shard), `shard_gradients=True` ZeRO-2, `mixed_precision` the
     policy, as `compile` runs them.
 
-    `pipeline_stages="auto"` also searches how the devices are laid out: the pipeline
-    degree, every stage's (dp, tp) mesh, the microbatch count and the schedule
-    (`autopar.search.layouts`); `microbatches=` and `schedule=` pin those.
+    What is searched is as for `compile`: by default the layout too (the pipeline degree,
+    the stage cuts, every stage's (dp, tp) mesh, the microbatch count and the schedule,
+    `autopar.search.layouts`) when nothing pins the mesh (`autopar.planning.searches_layout`);
+    `pipeline_stages=1` turns pipelining off, an int pins the degree, "auto" searches the
+    layout on any cluster; `microbatches=` and `schedule=` pin those.
     The options are those of `autopar.options.PlanOptions`."""
     options = PlanOptions(
         strategy=strategy,

@@ -34,11 +34,9 @@ processes are local, so every axis is inside one node.
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -53,7 +51,7 @@ import torch.multiprocessing as mp
 
 from autopar.cluster import Cluster, DeviceSpec, Fabric, Link
 from autopar.cost_models.comm import Collective, ring_factors, volume_kind
-from autopar.devices import bind_local_device, choose_backend, process_group_device
+from autopar.devices import choose_backend, free_port, init_rank, process_group_device
 
 __all__ = ["SIZES", "calibrate", "write_calibration"]
 
@@ -106,7 +104,7 @@ def calibrate(
         out = Path(tmp, "measurements.json")
         mp.spawn(
             _worker,
-            args=(nproc, _free_port(), backend, mesh, names, sizes, str(out), progress),
+            args=(nproc, free_port(), backend, mesh, names, sizes, str(out), progress),
             nprocs=nproc,
             join=True,
         )
@@ -175,12 +173,6 @@ def _fit_link(rows: list[list[Any]], n: int, backend: str) -> Link:
 
 
 # ------------------------------------------------------------------------------ workers
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Progress:
     def __init__(self, total: int, enabled: bool) -> None:
         self.total, self.done, self.enabled = total, 0, enabled
@@ -199,12 +191,7 @@ class _Progress:
 def _worker(
     rank: int, world: int, port: int, backend: str, mesh, names, sizes: str, out: str, show: bool
 ) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    bind_local_device(backend, rank)
-    dist.init_process_group(
-        backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
-    )
+    init_rank(rank, world, port, backend)
     try:
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -5,10 +5,16 @@ live group). ``choose_backend`` picks the backend for N local processes (NCCL wh
 a GPU for each, else gloo; NCCL without enough GPUs is a ValueError) and
 ``bind_local_device`` gives each process its own GPU before the group is initialized.
 ``local_preset`` names the cluster preset ``Cluster.local`` prices this device with.
+``free_port`` and ``init_rank`` start a local multi-process job (tests, calibration,
+benchmarks): one thread per rank, its own GPU under NCCL, a bounded collective timeout.
 Planning on the fake process group (shapes only) keeps CPU meshes: see ``planning``.
 """
 
 from __future__ import annotations
+
+import datetime
+import os
+import socket
 
 import torch
 
@@ -80,3 +86,25 @@ def local_preset(device: str | None = None, device_name: str | None = None) -> s
         device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
     upper = device_name.upper()
     return next((preset for key, preset in _GPU_PRESETS if key in upper), "dgx-h100")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the rendezvous of a local job)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_rank(rank: int, world: int, port: int, backend: str, timeout_s: float = 300.0) -> None:
+    """Join a local job of `world` processes on `backend` at 127.0.0.1:`port`: one thread,
+    this rank's GPU under NCCL (all ranks are local), collectives timing out after
+    `timeout_s` (a rank that fails mid-collective must not leave the others waiting for
+    torch's default 30 minutes)."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    bind_local_device(backend, rank)
+    dist.init_process_group(
+        backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+    )

@@ -9,12 +9,16 @@ fusion mode. Pins left at their default are searched (`strategy="auto"`, no `pla
 
     strategy         a role for every mesh axis ("auto", "dp", "fsdp", "tp", "sp", "cp",
                      "ep") or one per axis ("sp": tp with sequence-parallel norms; "cp":
-                     context parallel, the sequence split through attention; "ep": dp with
-                     stacked expert weights split on their expert dim)
+                     context parallel, the sequence split through attention, ring or
+                     all-gathered K/V as the search prices them, "cp-ring" / "cp-gather"
+                     pinning one; "ep": dp with stacked expert weights split on their
+                     expert dim)
     placements       {parameter or input name: spec}, e.g. {"lm_head.weight": "S(0),R"}
     memory_limit     bytes per device (default: 90% of the cluster's device memory)
     time_limit_s     the ILP solver's time limit
-    pipeline_stages  stages over the first mesh axis, or "auto" to search the layout
+    pipeline_stages  stages over the first mesh axis (1: no pipeline), or "auto" to search
+                     the layout; None: searched when nothing pins the mesh
+                     (`autopar.planning.searches_layout`)
     microbatches     microbatches per step when pipelining (default: 2 x stages, or less)
     schedule         a pipeline schedule (`autopar.plan.SCHEDULES`; default: searched)
     stage_cuts       the first layer of each stage, 0 first, increasing (default: balanced)
@@ -39,7 +43,8 @@ from numbers import Real
 
 from autopar.plan import FUSION_MODES, RECOMPUTE_POLICIES, SCHEDULES, parse_spec
 
-ROLES = ("auto", "dp", "fsdp", "tp", "sp", "cp", "ep")
+ROLES = ("auto", "dp", "fsdp", "tp", "sp", "cp", "cp-ring", "cp-gather", "ep")
+CP_ROLES = ("cp", "cp-ring", "cp-gather")  # context parallel: either variant, ring, all-gather
 MIXED_PRECISION = {"bf16": "bfloat16", "fp16": "float16"}  # option -> torch dtype name
 REDUCE_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -171,7 +176,8 @@ class PlanOptions:
         if stages is not None and stages != "auto" and not _count(stages):
             raise ValueError(
                 f"pipeline_stages={stages!r}: give a number of stages (>= 1), 'auto' to "
-                "search the layout, or None (no pipeline unless a mesh axis is named 'pp')"
+                "search the layout, or None (the default: searched on a cluster's own mesh, "
+                "else a pipeline only over a mesh axis named 'pp')"
             )
         if self.microbatches is not None and not _count(self.microbatches):
             raise ValueError(

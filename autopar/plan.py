@@ -9,6 +9,11 @@ on a data axis = ZeRO-3/FSDP, `S(d)` on a tensor axis = Megatron TP).
 `fusion` is how the planned graph was fused ("none", "triton": `fused_regions` lists the
 regions swapped for autopar kernels, "inductor": the runtime hands each rank's program to
 torch.compile and no region is rewritten); the runtime reproduces it before lowering.
+`comm` is how the non-pipelined per-rank program's collectives are bucketed and overlapped
+(`passes.comm`), the options `predicted_step_time` was priced with (`search.step`); None: no
+communication pass (every collective waited at once where traced; pipelined plans, whose
+stage programs run none). `predicted_step_time` is that program's step as it runs; the
+ILP's bound (every collective waited at once, one per tensor) is `solver["ilp_step_time_bound"]`.
 `content_hash` covers everything but itself; every rank compares it with rank 0's before
 the first collective.
 """
@@ -25,7 +30,13 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autopar._compat import is_mask_partial
 
-SCHEMA_VERSION = 2  # 2: `fusion` is the mode, the regions are `fused_regions`
+# 2: `fusion` is the mode, the regions are `fused_regions`; 3: `comm`, and
+# `predicted_step_time` is the overlapped step (version 2 recorded the ILP's bound there)
+SCHEMA_VERSION = 3
+_OLDER = {
+    1: "version 1 recorded fusion as a list of regions",
+    2: "version 2 recorded no communication options and priced the step without overlap",
+}
 
 Spec = tuple[Placement, ...]
 
@@ -171,6 +182,45 @@ class PipelinePlan:
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
 
 
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class CommPlan:
+    """How `passes.comm` rewrites the program, and what the step prediction assumed.
+
+    bucket              fuse gradient reductions into size buckets (DDP's rule,
+                        `cost_models.buckets.bucket_plan`) and a layer's all-gathers into one
+    overlap             issue collectives early and wait at first use (forward gathers
+                        prefetched one layer ahead)
+    bucket_bytes        a bucket's cap after the first (DDP: 25 MiB)
+    first_bucket_bytes  the first bucket's cap per key (DDP: 1 MiB)
+    """
+
+    bucket: bool = True
+    overlap: bool = True
+    bucket_bytes: int = 25 * MIB
+    first_bucket_bytes: int = 1 * MIB
+
+    def __post_init__(self) -> None:
+        if self.bucket_bytes <= 0 or self.first_bucket_bytes <= 0:
+            raise ValueError(
+                f"bucket sizes must be positive (got bucket_bytes={self.bucket_bytes}, "
+                f"first_bucket_bytes={self.first_bucket_bytes})"
+            )
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> CommPlan:
+        return cls(
+            bucket=bool(raw["bucket"]),
+            overlap=bool(raw["overlap"]),
+            bucket_bytes=int(raw["bucket_bytes"]),
+            first_bucket_bytes=int(raw["first_bucket_bytes"]),
+        )
+
+
+DEFAULT_COMM = CommPlan()  # what the search assumes and non-pipelined programs run
+
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 # the terms of a rank's memory, predicted (`Plan.predicted_memory`) and measured
 # (`runtime.memory_stats`) alike
@@ -252,6 +302,7 @@ class Plan:
     # optimizer_state, buffers, activations, communication (`runtime.memory_stats` measures
     # the same categories)
     predicted_memory: dict = field(default_factory=dict)
+    comm: CommPlan | None = None  # None: no communication pass (module docstring)
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -312,8 +363,8 @@ class Plan:
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
             older = (
-                " (an older autopar's plan: version 1 recorded fusion as a list of regions)"
-                if isinstance(version, int) and version < SCHEMA_VERSION
+                f" (an older autopar's plan: {_OLDER[version]})"
+                if isinstance(version, int) and version in _OLDER
                 else ""
             )
             raise ValueError(
@@ -336,6 +387,7 @@ class Plan:
             fused_regions=tuple(FusedRegion.from_dict(r) for r in data.get("fused_regions", ())),
             memory=MemoryPlan.from_dict(data.get("memory") or {}),
             predicted_memory=dict(data.get("predicted_memory") or {}),
+            comm=CommPlan.from_dict(data["comm"]) if data.get("comm") else None,
         )
         if stored_hash is not None and stored_hash != plan.content_hash:
             raise ValueError(

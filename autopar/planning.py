@@ -5,14 +5,18 @@
       ->  capture (one microbatch when pipelining)  ->  fuse  ->  search
 
 `plan_model` runs the search under a fake process group of the cluster's size (the model
-may live on the meta device); with `pipeline_stages="auto"`, `plan_layout` first searches
-the layout on layer templates (`autopar.search.layouts`) and then plans the whole model on
-the winner. A model repeating a block `TEMPLATE_MIN_BLOCKS` times or more is solved on its
+may live on the meta device) on meshes without process groups (`_compat.shape_only_mesh`).
+When the layout is searched (`searches_layout`: by default on a cluster given by its
+hardware mesh with nothing pinned, or `pipeline_stages="auto"`), `plan_layout` first
+searches it on layer templates (`autopar.search.layouts`) and then plans the whole model
+on the winner. A model repeating a block `TEMPLATE_MIN_BLOCKS` times or more is solved on its
 two-block template and the decisions replicated onto the full capture
 (`autopar.search.template_plan`; the layout search's template and solve are reused).
-The phases are timed by `autopar.search.progress` (`autopar plan --profile`). `plan_for_ranks` is compile's half: rank 0 searches and broadcasts its plan
-(or every rank checks a saved plan against its own graph and mesh), then every rank
-compares the plan's hash with rank 0's before the first collective.
+The phases are timed by `autopar.search.progress` (`autopar plan --profile`).
+`plan_for_ranks` is compile's half: rank 0 searches (the layout too, under the job's own
+group) and broadcasts its plan (or every rank checks a saved plan against its own graph
+and mesh; a cluster on its hardware mesh takes the plan's mesh), then every rank compares
+the plan's hash with rank 0's before the first collective.
 """
 
 from __future__ import annotations
@@ -28,10 +32,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopar._compat import FakeStore
+from autopar._compat import FakeStore, shape_only_mesh
 from autopar.capture import Captured, capture
 from autopar.capture.template import Template, block_stack, capture_template
-from autopar.cluster import Cluster, with_pipeline_axis
+from autopar.cluster import PRESETS, Cluster, with_pipeline_axis
 from autopar.options import MIXED_PRECISION, PlanOptions
 from autopar.passes.fusion import fuse_regions
 from autopar.plan import SCHEDULES, FusedRegion, Plan
@@ -64,7 +68,7 @@ class PlanJob:
     ) -> PlanJob:
         stages, microbatches, fusion = options.pipeline_stages, options.microbatches, options.fusion
         if plan is not None:
-            fusion = plan.fusion
+            fusion, stages, microbatches = plan.fusion, None, None
             if plan.pipeline is not None:
                 stages, microbatches = plan.pipeline.pp, plan.pipeline.microbatches
         cluster = with_pipeline_axis(cluster, stages)
@@ -142,22 +146,10 @@ def prepare(
     loss_fn: Callable | None,
     options: PlanOptions,
     plan: Plan | None = None,
-) -> tuple[PlanJob, Captured, tuple[FusedRegion, ...]]:
-    """What compile and plan share: the job, the captured (maybe fused) graph."""
-    return prepare_search(model, batch, cluster, loss_fn, options, plan)[:3]
-
-
-def prepare_search(
-    model: nn.Module,
-    batch: Sequence[torch.Tensor],
-    cluster: Cluster,
-    loss_fn: Callable | None,
-    options: PlanOptions,
-    plan: Plan | None = None,
     template: bool = False,
 ) -> tuple[PlanJob, Captured, tuple[FusedRegion, ...], Template | None]:
-    """`prepare`, and with `template` the two-block template to search on (None when
-    nothing repeats)."""
+    """What compile and plan share: the job, the captured (maybe fused) graph, and with
+    `template` the two-block template to search on (None when nothing repeats)."""
     job = PlanJob.make(options, cluster, batch, plan)
     dtype = compute_dtype(options, plan)
     batch = job.capture_batch(batch)
@@ -223,6 +215,41 @@ def in_compute_dtype(
     return copy_, cast
 
 
+def searches_layout(options: PlanOptions, cluster: Cluster) -> bool:
+    """Whether the call searches the layout (pipeline degree, stage cuts, stage mesh,
+    microbatches, schedule): with `pipeline_stages="auto"`, and by default when nothing
+    pins the mesh: no `pipeline_stages`, no `stage_cuts`, no `placements`,
+    `strategy="auto"`, and a cluster whose mesh only describes the hardware
+    (`hardware_mesh`). A pinned mesh or strategy is planned as it is (pipelined only by a
+    "pp" axis or `pipeline_stages`)."""
+    if options.pipeline_stages == "auto":
+        return True
+    return (
+        options.pipeline_stages is None
+        and options.stage_cuts is None
+        and not options.placements
+        and options.strategy == "auto"
+        and cluster.world_size > 1
+        and hardware_mesh(cluster)
+    )
+
+
+def hardware_mesh(cluster: Cluster) -> bool:
+    """The mesh `Cluster.preset` makes when none is given: (nodes, devices per node) named
+    ("node", label), or (devices per node,) named (label,), the label being the preset's
+    device axis ("gpu", "cpu"); on a cluster that can be re-meshed (it knows its fabric).
+    Any other mesh (other sizes, other names: "dp", "tp", "axis0") is the user's layout."""
+    shape, names = cluster.mesh_shape, cluster.axis_names
+    if cluster.fabric is None or names[-1] not in DEVICE_LABELS:
+        return False
+    if len(shape) == 1:
+        return shape[0] == cluster.devices_per_node
+    return len(shape) == 2 and names[0] == "node" and shape[1] == cluster.devices_per_node
+
+
+DEVICE_LABELS = frozenset(p.device_label for p in PRESETS.values())
+
+
 def plan_model(
     model: nn.Module,
     batch: Sequence[torch.Tensor],
@@ -233,15 +260,16 @@ def plan_model(
 ) -> Plan:
     """`autopar.plan`: search without processes or weights (on `template` when given: the
     layout search's, captured at the same shapes)."""
-    if options.searches_layout:
+    if searches_layout(options, cluster):
         return plan_layout(model, batch, cluster, loss_fn, options)
-    job, captured, regions, tpl = prepare_search(
+    job, captured, regions, tpl = prepare(
         model, batch, cluster, loss_fn, options, template=template is None
     )
     tpl = template or tpl
     with fake_group(job.cluster.world_size):
-        # the fake group only carries shapes: a cpu mesh serves whatever device runs the plan
-        return job.search(captured, job.cluster.device_mesh(device_type="cpu"), regions, tpl)
+        # only shapes are read: a mesh without process groups serves any device's plan
+        mesh = shape_only_mesh("cpu", job.cluster.mesh_shape, job.cluster.axis_names)
+        return job.search(captured, mesh, regions, tpl)
 
 
 def plan_layout(
@@ -251,21 +279,29 @@ def plan_layout(
     loss_fn: Callable | None,
     options: PlanOptions,
 ) -> Plan:
-    """Search the layout on layer templates, then plan the whole model on the winner."""
+    """Search the layout on layer templates, then plan the whole model on the winner.
+    By default (no explicit "auto"), a search that finds no layout falls back to the
+    cluster's own mesh without a pipeline (whose error, if any, names the fix)."""
     dtype = compute_dtype(options, None)  # templates captured as the runtime computes
     searched, example = (model, batch) if dtype is None else in_compute_dtype(model, batch, dtype)
     with fake_group(cluster.world_size):
-        found = search_layout(
-            searched,
-            example,
-            cluster,
-            SearchOptions.from_options(options),
-            loss_fn,
-            microbatches=options.microbatches,
-            schedule=options.schedule,
-        )
+        try:
+            found = search_layout(
+                searched,
+                example,
+                cluster,
+                SearchOptions.from_options(options),
+                loss_fn,
+                microbatches=options.microbatches,
+                schedule=options.schedule,
+            )
+        except ValueError:  # MemoryInfeasible too
+            if options.pipeline_stages == "auto":
+                raise
+            found = None
+    if found is None:
+        return plan_model(model, batch, cluster, loss_fn, replace(options, pipeline_stages=1))
     best = found.best
-    pipelined = best.pp > 1
     final = plan_model(
         model,
         batch,
@@ -273,8 +309,8 @@ def plan_layout(
         loss_fn,
         replace(
             options,
-            pipeline_stages=best.pp if pipelined else None,
-            microbatches=best.microbatches if pipelined else None,
+            pipeline_stages=best.pp,  # 1: no pipeline
+            microbatches=best.microbatches if best.pp > 1 else None,
             schedule=best.schedule,
         ),
         template=found.template_for(best, batch[0].shape[0]),
@@ -293,18 +329,35 @@ def plan_for_ranks(
     plan: Plan | None,
 ) -> tuple[Plan, Captured, DeviceMesh]:
     """compile's half: every rank holds the same plan for its captured graph, and the
-    mesh it runs on."""
+    mesh it runs on. A searched layout: rank 0 plans as `autopar.plan` does (meshes
+    without process groups under the job's group) and broadcasts the plan; every rank
+    then applies it on the plan's mesh."""
+    if plan is None and searches_layout(options, cluster):
+        plan = from_rank0(lambda: plan_layout(model, batch, cluster, loss_fn, options))
+        cluster = on_plan_mesh(plan, cluster)
+    elif plan is not None and hardware_mesh(cluster):
+        cluster = on_plan_mesh(plan, cluster)
     searches = plan is None and dist.get_rank() == 0  # the others receive its plan
-    job, captured, regions, tpl = prepare_search(
+    job, captured, regions, tpl = prepare(
         model, batch, cluster, loss_fn, options, plan, template=searches
     )
     mesh = job.cluster.device_mesh()
     if plan is not None:
         check_plan_matches(plan, captured, job.cluster)
     else:
-        plan = plan_on_rank0(captured, job, mesh, regions, tpl)
+        plan = from_rank0(lambda: job.search(captured, mesh, regions, tpl))
     verify_same_plan(plan)
     return plan, captured, mesh
+
+
+def on_plan_mesh(plan: Plan, cluster: Cluster) -> Cluster:
+    """The cluster's devices on the plan's mesh: the layout a search chose, or a saved
+    plan's for a cluster given by its hardware mesh (a mesh the user pinned is compared
+    with the plan's as it is, `check_plan_matches`)."""
+    same = plan.mesh_shape == cluster.mesh_shape and plan.axis_names == cluster.axis_names
+    if same or math.prod(plan.mesh_shape) != cluster.world_size:
+        return cluster
+    return cluster.reshaped(plan.mesh_shape, plan.axis_names)
 
 
 @contextmanager
@@ -347,19 +400,13 @@ def check_plan_matches(plan: Plan, captured: Captured, cluster: Cluster) -> None
         )
 
 
-def plan_on_rank0(
-    captured: Captured,
-    job: PlanJob,
-    mesh: DeviceMesh,
-    regions: tuple[FusedRegion, ...],
-    template: Template | None = None,
-) -> Plan:
-    """Rank 0 searches; the others receive its plan (solvers with time limits are not
-    guaranteed to answer identically on every rank)."""
+def from_rank0(search: Callable[[], Plan]) -> Plan:
+    """Rank 0 runs `search`; the others receive its plan (solvers with time limits are
+    not guaranteed to answer identically on every rank)."""
     box: list[object] = [None]
     if dist.get_rank() == 0:
         try:
-            box[0] = job.search(captured, mesh, regions, template).to_json()
+            box[0] = search().to_json()
         except Exception as exc:  # the other ranks must not wait forever for a plan
             box[0] = exc
     dist.broadcast_object_list(box, src=0)

@@ -22,9 +22,7 @@ Measurements on a shared, loaded machine are noisy: say so beside the figures.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -40,8 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import autopar  # noqa: E402
 from autopar.calibration import calibrate, write_calibration  # noqa: E402
 from autopar.cli.sources import load_model  # noqa: E402
-from autopar.devices import bind_local_device, choose_backend  # noqa: E402
-from autopar.testing.parity import _free_port  # noqa: E402
+from autopar.devices import choose_backend, free_port, init_rank  # noqa: E402
 from autopar.testing.reference import LR  # noqa: E402
 from autopar.views.bench import write_rows_csv  # noqa: E402
 
@@ -100,12 +97,7 @@ def run_plan(sample: str, config: str, batch_size: int, name: str, base, args) -
 
 
 def _worker(rank: int, world: int, port: int, backend: str, args, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    bind_local_device(backend, rank)
-    dist.init_process_group(
-        backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900)
-    )
+    init_rank(rank, world, port, backend, timeout_s=900)
     try:
         base = autopar.Cluster.load(args.cluster)
         results = []
@@ -197,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         write_calibration(cluster, measured, args.cluster)
         print(f"calibrated: {cluster}")
     with tempfile.TemporaryDirectory(prefix="autopar-bench-") as tmp:
-        mp.spawn(_worker, args=(WORLD, _free_port(), backend, args, tmp), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(WORLD, free_port(), backend, args, tmp), nprocs=WORLD, join=True)
         results = json.loads(Path(tmp, "results.json").read_text())
     print("\n".join(_row_text(r) for r in results))
     print("\n".join(summarize(results)))

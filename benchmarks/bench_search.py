@@ -8,7 +8,8 @@ Each row is timed end to end, from a model built on the meta device to a saved p
 every dimension searched (pipeline degree, stage meshes, microbatches, schedule, then the
 sharding and memory levers); `--pipeline-stages 1` times the intra-op search alone. Per-phase seconds come from
 `autopar.search.progress` (capture, strategies, costs, ILP, layout search, assembly;
-exclusive: a nested phase's time is not its parent's).
+exclusive: a nested phase's time is not its parent's); the "cpu" line under each row is
+this process's CPU seconds, the figure to compare on a loaded machine.
 
 Rows (the issue's goals on a 2-core machine in brackets):
 - llama3-8b: Llama-3-8B, batch 16 x 8192, 64 H100 in 8 nodes (<= 5 s)
@@ -65,7 +66,7 @@ def build_row(row: str):
 
 
 def run_row(row: str, out: Path, options: dict) -> dict:
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with recording() as rec:
         model, batch, cluster = build_row(row)
         plan = autopar.plan(model, batch, cluster=cluster, **options)
@@ -78,7 +79,9 @@ def run_row(row: str, out: Path, options: dict) -> dict:
     return {
         "row": row,
         "total_s": time.perf_counter() - t0,
+        "total_cpu_s": time.process_time() - c0,
         **{p: rec.phases.get(p, 0.0) for p in PHASES},
+        **{f"{p} cpu": rec.cpu.get(p, 0.0) for p in PHASES},
         "layout": layout,
         "mesh": "x".join(map(str, plan.mesh_shape)),
         "step_s": plan.predicted_step_time,
@@ -110,6 +113,8 @@ def main() -> None:
             f"{r['step_s']:.3f} s / {r['peak_gib']:.1f} GiB / {r['candidates']}",
             flush=True,
         )
+        cpu = " ".join(f"{r[p + ' cpu']:9.2f}" for p in PHASES)
+        print(f"{'  cpu':<10} {r['total_cpu_s']:7.2f} {cpu}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,17 @@
-"""Context parallelism: attention with the sequence split (all-gathered K/V).
+"""Context parallelism: attention with the sequence split (all-gathered K/V, or a ring).
 
 - Strategies: ``scaled_dot_product_attention`` offers q/out ``Shard(2)`` with k/v
   ``Replicate`` (and the CPU flash kernels' DTensor strategies the same, with ``dk``/``dv``
-  ``Partial`` in backward).
+  ``Partial`` in backward), and the ring: q, k, v, out all ``Shard(2)`` on one axis.
+- The search chooses between them by cost (fake process group, meta device): at a long
+  sequence on H100 the ring (its K/V passes overlapped with the kernels, no gathered K/V
+  held, less causal imbalance) is faster and smaller than the pinned all-gather plan; the
+  tiny model on gloo (latency-bound) keeps the all-gather.
 - The causal offset mask (``rules.attention.flash_cpu_handler``) is exact: each query shard
   against the full K/V equals the rows of unsharded causal attention, forward and backward.
 - Planning only (fake process group, meta device): Llama-3-8B at sequence 131072 on 64 H100
-  (8 nodes) fits only with the sequence split: ``strategy="tp"`` on the node axis and "dp"
-  across nodes does not fit; the search's plan does, and splits attention or norms on the
-  sequence.
+  (8 nodes) fits only with the sequence split; the search's plan splits attention (as a
+  ring) and the norms on the sequence.
 - ``build_encoder`` below is a bidirectional (non-causal) model source for the parity cases
   in ``tests/test_sequence_parallel.py`` (one spawn for SP and CP).
 """
@@ -29,9 +32,9 @@ ENCODER_VOCAB, ENCODER_SEQ = 64, 16
 
 
 class EncoderBlock(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, causal: bool = False) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.causal = heads, causal
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         # no k bias: its gradient is zero in exact arithmetic (softmax is shift-invariant),
         # so its relative parity error would be noise over noise
@@ -42,18 +45,21 @@ class EncoderBlock(nn.Module):
         B, T, C = x.shape
         q, k, v = self.qkv(self.norm1(x)).split(C, dim=2)
         q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=False)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
         return x + self.down(F.gelu(self.up(self.norm2(x))))
 
 
 class Encoder(nn.Module):
-    """A bidirectional (non-causal) token classifier: ``forward(idx, labels) -> loss``."""
+    """A bidirectional (non-causal) token classifier: ``forward(idx, labels) -> loss``;
+    ``causal`` (one flag per block) makes some blocks' attention causal."""
 
-    def __init__(self, dim: int = 32, heads: int = 4, layers: int = 2) -> None:
+    def __init__(
+        self, dim: int = 32, heads: int = 4, causal: tuple[bool, ...] = (False, False)
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(ENCODER_VOCAB, dim)
-        self.blocks = nn.ModuleList(EncoderBlock(dim, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(EncoderBlock(dim, heads, c) for c in causal)
         self.head = nn.Linear(dim, ENCODER_VOCAB)
 
     def forward(self, idx: Tensor, labels: Tensor) -> Tensor:
@@ -65,8 +71,11 @@ class Encoder(nn.Module):
 
 
 def build_encoder(config: str = "tiny") -> Encoder:
-    del config  # one size
-    return Encoder()
+    """ "tiny": two non-causal blocks; "tiny-mixed": a non-causal block, then a causal one."""
+    configs = {"tiny": (False, False), "tiny-mixed": (False, True)}
+    if config not in configs:
+        raise ValueError(f"unknown encoder config {config!r}; choose from {sorted(configs)}")
+    return Encoder(causal=configs[config])
 
 
 def example_batch(model: nn.Module, batch_size: int) -> tuple[Tensor, Tensor]:
@@ -106,6 +115,48 @@ def _llama_8b(seq: int, layers: int):
     return model, example_batch(cfg, 1, device="meta")
 
 
+def _k_specs(plan) -> list[str]:
+    att = [n for n in plan.nodes if n.op.startswith("scaled_dot_product_attention")]
+    assert att, summary(plan)
+    return [n.inputs[1] for n in att]
+
+
+def test_search_chooses_ring_or_gathered_kv_by_cost() -> None:
+    from samples.llama import Llama, LlamaConfig, example_batch
+
+    cfg = dataclasses.replace(
+        LlamaConfig.llama3_8b(),
+        max_seq_len=8192,
+        n_layers=2,
+        dim=512,
+        n_heads=4,
+        n_kv_heads=1,
+        ffn_hidden_dim=1536,
+        vocab_size=4096,
+    )
+    with torch.device("meta"):
+        model = Llama(cfg)
+    batch = example_batch(cfg, 1, device="meta")
+    cluster = Cluster.preset("dgx-h100", nodes=1, mesh=(8,), axis_names=("cp",))
+    searched = autopar.plan(model, batch, cluster=cluster, strategy="cp")
+    gathered = autopar.plan(model, batch, cluster=cluster, strategy="cp-gather")
+    text = summary(searched)
+    assert _k_specs(searched) == ["S(2)", "S(2)"], text
+    assert _k_specs(gathered) == ["R", "R"], summary(gathered)
+    assert searched.predicted_step_time < gathered.predicted_step_time, text
+    assert searched.predicted_peak_memory < gathered.predicted_peak_memory, text
+    assert "CP ring attention 2/2 (K/V passes per step" in text, text
+
+    tiny_cfg = LlamaConfig.tiny()
+    tiny = autopar.plan(
+        Llama(tiny_cfg),
+        example_batch(tiny_cfg, 8),
+        cluster=Cluster.preset("cpu", mesh=(4,), axis_names=("cp",)),
+        strategy="cp",
+    )
+    assert _k_specs(tiny) == ["R", "R"], summary(tiny)
+
+
 def test_llama3_8b_at_128k_on_64_h100_splits_the_sequence() -> None:
     # Llama-3-8B's width, heads and vocabulary; 2 of its 32 identical blocks keep this fast.
     # A 1-row batch cannot be split over 64 ranks, nor can 32 query / 8 K/V heads: without
@@ -118,4 +169,5 @@ def test_llama3_8b_at_128k_on_64_h100_splits_the_sequence() -> None:
     assert plan.predicted_peak_memory <= cluster.device.memory_bytes, text
     activations = plan.predicted_memory["activations"]
     assert activations * cluster.world_size > cluster.device.memory_bytes, text
-    assert "CP attention 2/2 (K/V all-gathered)" in text and "all_gather" in text, text
+    # the ring: its K/V passes overlap the kernels and no rank holds a layer's whole K/V
+    assert "CP ring attention 2/2 (K/V passes per step" in text, text

@@ -323,3 +323,35 @@ def test_gated_edge_counts_only_under_its_gate() -> None:
     limited = IntraOpProblem(p.node_cost, p.node_memory, (), 6.0, 10.0, (g,))
     sol = solve_intra_op(limited)
     assert sol.choices == (1, 1, 0) and sol.memory == 0.0 and sol.objective == 1.0
+
+
+def test_gated_edges_on_a_dense_pair_are_one_block() -> None:
+    """HiGHS prices a gated edge between two free decisions that keep their `e` variables
+    with one `y` per matrix (not a `z` per entry), exactly: same optimum as brute force and
+    as CP-SAT's `z` model, under a memory limit that the gated memory makes bind."""
+    from autopar.search.ilp import _build, _reduce
+
+    rng = random.Random(7)
+    k = 4
+    dense = tuple(tuple(rng.uniform(0, 1) for _ in range(k)) for _ in range(k))
+    gate_cost = tuple(tuple(rng.uniform(0, 2) for _ in range(k)) for _ in range(k))
+    gate_mem = tuple(
+        tuple(rng.choice((0.0, rng.uniform(1, 3))) for _ in range(k)) for _ in range(k)
+    )
+    base = IntraOpProblem(
+        node_cost=(tuple(rng.uniform(0, 1) for _ in range(k)),) * 2 + ((0.5, 0.0, 0.2),),
+        node_memory=((1.0,) * k,) * 2 + ((0.0, 2.0, 1.0),),
+        edges=(Edge(0, 1, dense),),
+        memory_limit=INF,
+        gated=(GatedEdge(1, 0, 2, 1, gate_cost, gate_mem),),  # reversed: stored transposed
+    )
+    mems = sorted(evaluate(base, ch)[1] for ch in itertools.product(range(k), range(k), range(3)))
+    p = IntraOpProblem(
+        base.node_cost, base.node_memory, base.edges, mems[len(mems) // 2], 10.0, base.gated
+    )
+    blocks, plain = _build(_reduce(p), p), _build(_reduce(p, blocks=False), p)
+    assert len(blocks.y) == 2 and not blocks.z and len(plain.z) == k * k
+    best, _ = _brute_force(p)
+    for backend in BACKENDS:
+        sol = solve_intra_op(p, backend=backend)
+        assert sol.objective == pytest.approx(best, rel=1e-9) and sol.memory <= p.memory_limit

@@ -4,6 +4,7 @@
 - Block weights are staged, priced and shared with their block.
 - Megatron-Core's 1.7B weak-scaling row on 48 H100s: the search keeps TP inside a node,
   fits in 80 GB, and is no slower than Megatron's own (TP 1, PP 1) under the same model.
+- Every pipeline degree is priced (the step time is not unimodal in the degree).
 """
 
 from __future__ import annotations
@@ -115,9 +116,11 @@ def test_megatron_1_7b_row_fits_and_matches_megatron() -> None:
     options = SearchOptions(shard_optimizer=True, mixed_precision=True, reduce_itemsize=4)
     with fake_group(cluster.world_size):
         found = search_layout(model, batch, cluster, options)
-        megatron, _, _ = _Pricer(model, batch, cluster, options, None).price(
-            Layout(pp=1, dp=48, tp=1, microbatches=1), None
-        )
+        pricer = _Pricer(model, batch, cluster, options, None)
+        megatron, _, _ = pricer.price(Layout(pp=1, dp=48, tp=1, microbatches=1), None)
+        # the prune's bound is below what it bounds
+        assert pricer.bound(Layout(pp=1, dp=48, tp=1, microbatches=1)) <= megatron
+        assert any(str(v).startswith("pruned") for v in found.tried.values()), found.tried
     best = found.best
     assert 8 % best.tp == 0  # TP never crosses a node
     assert found.peak_memory <= cluster.device.memory_bytes
@@ -125,25 +128,73 @@ def test_megatron_1_7b_row_fits_and_matches_megatron() -> None:
     assert math.isfinite(found.step_time) and found.tried[best.key] == found.step_time
 
 
-def test_degree_walk_does_not_assume_unimodal_step_times() -> None:
-    """A slower degree between two faster ones does not stop the walk; PATIENCE slower
-    degrees in a row do, and infeasible degrees never count."""
-    from autopar.search.layouts import PATIENCE, walk_degrees
+def test_every_degree_is_priced_without_assuming_unimodal_step_times() -> None:
+    """No degree is skipped for its neighbours being slower: a fast degree after two slower
+    ones still wins; infeasible degrees (None) are passed over; pp = 1 is priced first."""
+    from autopar.search.layouts import price_degrees
 
-    def walk(times: list[float | None]) -> tuple[float | None, list[int]]:
-        degrees = [[Layout(2**i, 1, 1, 8)] for i in range(len(times))]
+    def search(times: dict[int, float | None]) -> tuple[float | None, list[int]]:
+        degrees = [[Layout(pp, 1, 1, 8)] for pp in times]
         priced: list[int] = []
+        bars: list[float] = []
 
-        def price(layouts):
-            priced.append(layouts[0].pp)
-            t = times[len(priced) - 1]
-            return None if t is None else (t, 0.0, layouts[0])
+        def price(layouts, bar):
+            pp = layouts[0].pp
+            priced.append(pp)
+            bars.append(bar)
+            return None if times[pp] is None else (times[pp], 0.0, layouts[0])
 
-        found = walk_degrees(degrees, price)
+        found = price_degrees(degrees, price)
+        assert bars[0] == math.inf and bars == sorted(bars, reverse=True)  # the best so far
         return (found[0] if found else None), priced
 
-    assert PATIENCE == 2
-    assert walk([3.0, 3.5, 1.0, 2.0]) == (1.0, [1, 2, 4, 8])  # a bump is walked through
-    assert walk([3.0, None, None, 3.5, 2.0]) == (2.0, [1, 2, 4, 8, 16])
-    assert walk([1.0, 2.0, 3.0, 0.5]) == (1.0, [1, 2, 4])  # two slower in a row: stop
-    assert walk([None, None]) == (None, [1, 2])
+    assert search({2: 2.0, 1: 1.5, 4: 3.0, 8: 0.5}) == (0.5, [1, 2, 4, 8])
+    assert search({1: 3.0, 2: None, 4: None, 8: 3.5, 16: 2.0}) == (2.0, [1, 2, 4, 8, 16])
+    assert search({1: None, 2: None}) == (None, [1, 2])
+
+
+def test_what_the_default_call_searches() -> None:
+    """The layout is searched by default on a cluster given by its hardware (the preset's
+    own mesh) with nothing pinned; a pinned mesh, strategy, placements or stage count keep
+    the user's mesh; "auto" searches whatever the mesh."""
+    from autopar.options import PlanOptions
+    from autopar.planning import searches_layout
+
+    free = [Cluster.preset("dgx-h100", nodes=4), Cluster.preset("cpu", nodes=4)]
+    free.append(Cluster.preset("cpu", mesh=(4,), axis_names=("cpu",), devices_per_node=4))
+    pinned = [Cluster.preset("dgx-h100", nodes=4, mesh=(4, 8), axis_names=("dp", "tp"))]
+    pinned += [Cluster.preset("cpu", mesh=(4,)), Cluster.preset("cpu", nodes=1)]  # 1 device
+    for c in free:
+        assert searches_layout(PlanOptions(), c), c
+        for pin in (
+            {"pipeline_stages": 1},
+            {"pipeline_stages": 2},
+            {"strategy": "dp"},
+            {"placements": {"wte.weight": "R"}},
+        ):
+            assert not searches_layout(PlanOptions(**pin), c), (c, pin)
+    for c in pinned:
+        assert not searches_layout(PlanOptions(), c), c
+        assert searches_layout(PlanOptions(pipeline_stages="auto"), c)
+
+
+def test_default_call_pipelines_a_memory_bound_gpt_where_it_pays() -> None:
+    """Two V100 nodes joined by 25 Gb/s Ethernet, a 1 GiB budget: data parallelism must
+    shard or recompute to fit; two pipeline stages hold half the model each and send only
+    activations. The default call finds the pipeline; pipeline_stages=1 turns it off."""
+    import autopar
+    from samples.gpt import GPT, GPTConfig, example_batch
+
+    cfg = GPTConfig(vocab_size=512, block_size=1024, n_layer=4, n_head=16, n_embd=1024)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    batch = example_batch(cfg, 8, device="meta")
+    cluster = Cluster.preset("p3.16xlarge", nodes=2, devices_per_node=1)
+    limit = 1.1 * 2**30
+    plan = autopar.plan(model, batch, cluster=cluster, memory_limit=limit)
+    assert plan.pipeline is not None and plan.pipeline.pp == 2, plan.solver["layout_candidates"]
+    assert plan.mesh_shape[0] == 2 and plan.axis_names[0] == "pp"
+    off = autopar.plan(model, batch, cluster=cluster, memory_limit=limit, pipeline_stages=1)
+    assert off.pipeline is None and off.mesh_shape == cluster.mesh_shape
+    assert plan.predicted_step_time < off.predicted_step_time
+    assert max(plan.predicted_peak_memory, off.predicted_peak_memory) <= limit

@@ -1,11 +1,12 @@
 """Memory levers chosen by the search (planning only: fake process group, meta model).
 
 Shrinking `memory_limit` step by step walks the plan through cheaper-in-memory, slower
-plans: DP -> DP + selective recompute -> FSDP -> ... -> FSDP + full recompute + reshard after
-forward, in the order the cost model prices them. Each step is checked against forced
-alternatives (strategy x activation_checkpointing x reshard_after_forward pinned): the
-search's choice, with the levers left to it, is never slower than the fastest forced
-alternative that fits, and the walk's memory falls while its time rises.
+plans, in the order the cost model prices them: the step as the runtime runs it (gradient
+buckets, prefetched all-gathers; `search.step`), which is what the search ranks by and
+`Plan.predicted_step_time` reports. Each step is checked against forced alternatives
+(strategy x activation_checkpointing x reshard_after_forward pinned): the search's choice,
+with the levers left to it, is never slower than the fastest forced alternative that fits,
+and the walk's memory falls while its time rises.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def captured():
         model = GPT(cfg)
     batch = example_batch(cfg, 8, device="meta")
     cluster = Cluster.preset("dgx-h100", devices_per_node=4)
-    _, graph, _ = prepare(model, batch, cluster, None, PlanOptions())
+    _, graph, *_ = prepare(model, batch, cluster, None, PlanOptions())
     return graph, cluster
 
 
@@ -124,15 +125,15 @@ def test_shrinking_memory_walks_through_the_levers(setting) -> None:
     assert times == sorted(times), walk  # less memory never buys speed
     memories = [s[4] for s in walk]
     assert memories == sorted(memories, reverse=True), walk
-    levers = [s[1:3] for s in walk]
-    # this model prices the issue's order: DP -> DP+selective -> FSDP -> FSDP+selective ->
-    # TP+selective (then TP with more sharded); FSDP+full (which re-gathers every weight)
-    # is dearer than TP+selective at the same memory
-    first = {x: i for i, x in reversed(list(enumerate(levers)))}
-    order = [("dp", "none"), ("dp", "selective"), ("fsdp", "none"), ("fsdp", "selective")]
-    order.append(("tp", "selective"))
-    assert all(x in first for x in order), levers
-    assert [first[x] for x in order] == sorted(first[x] for x in order), levers
+    levers = [s[1:4] for s in walk]  # (role, recompute, reshard after forward)
+    # with the overlap priced, FSDP wins at every limit: its reduce-scatter's exposed tail
+    # is half DP's all-reduce's and its forward gathers hide under the previous layer;
+    # reshard alone re-gathers in backward (waited in full) for less than selective saves;
+    # FSDP + full recompute (gathers again, recomputes) still beats TP + selective (every
+    # activation collective waited at once) at less memory
+    order = [("fsdp", "none", False), ("fsdp", "selective", False), ("fsdp", "selective", True)]
+    order.append(("fsdp", "full", False))  # full regathers whatever the flag says
+    assert list(dict.fromkeys(levers)) == order, walk
     assert levers[-1][1] != "none", levers  # the tightest limit needs recompute
 
 

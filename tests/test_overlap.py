@@ -3,10 +3,10 @@
 One process on a fake group: the rewrite of lowered dp / fsdp programs (how many collectives,
 buckets as `bucket_plan` assigns them, every collective right after its last input, every
 wait right before its first reader). Four gloo processes, one spawn: dp, fsdp and dp x tp
-trained with the scheduling on and off (both bucketed) give bit-identical losses and
-gradients, and match the single-device reference within the parity tolerances (a bucketed
-reduction may differ from per-tensor ones in the last bit: the ring's summation order
-depends on an element's offset in the buffer).
+(gpt) and fsdp (the BatchNorm cnn) trained with the scheduling on and off (both bucketed)
+give bit-identical losses and gradients, and match the single-device reference within the
+parity tolerances (a bucketed reduction may differ from per-tensor ones in the last bit: the
+ring's summation order depends on an element's offset in the buffer).
 """
 
 from __future__ import annotations
@@ -25,16 +25,9 @@ import torch.multiprocessing as mp
 import autopar
 from autopar._compat import FakeStore
 from autopar.cli.sources import load_model
+from autopar.cost_models.buckets import bucket_plan
 from autopar.options import PlanOptions
-from autopar.passes.comm import (
-    ALL_GATHER,
-    OFF,
-    UNPACK,
-    VIEWS,
-    WAITS,
-    CommOptions,
-    bucket_plan,
-)
+from autopar.passes.comm import ALL_GATHER, OFF, UNPACK, VIEWS, WAITS, CommOptions
 from autopar.passes.recompute import is_backward, layer_of
 from autopar.planning import plan_for_ranks
 from autopar.runtime.parallel_model import ParallelModel
@@ -207,7 +200,14 @@ def _prefetched(c, nodes, copy_in) -> bool:
 
 
 # ----------------------------------------------------------------- 4 processes, one spawn
-RUNS = [((4,), ("dp",), "dp"), ((4,), ("dp",), "fsdp"), ((2, 2), ("dp", "tp"), ("dp", "tp"))]
+RUNS = [  # (sample, mesh, axis names, strategy)
+    ("gpt", (4,), ("dp",), "dp"),
+    ("gpt", (4,), ("dp",), "fsdp"),
+    ("gpt", (2, 2), ("dp", "tp"), ("dp", "tp")),
+    # BatchNorm's per-channel statistics gathered in fused per-layer gathers: pieces of
+    # shape (4, C, 1, 1) a reader views (`passes.comm._make_contiguous`)
+    ("cnn", (4,), ("dp",), "fsdp"),
+]
 
 
 def _train(model, batch, plan, captured, mesh, comm) -> tuple[list[float], list[dict]]:
@@ -226,8 +226,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, backend: str) -> Non
     init_rank(rank, world, port, backend)
     report = []
     try:
-        for mesh_shape, names, strategy in RUNS:
-            model, batch = load_model("gpt", "tiny", 8, seed=0)
+        for sample, mesh_shape, names, strategy in RUNS:
+            model, batch = load_model(sample, "tiny", 8, seed=0)
             ref = train_single_device(model, batch, STEPS)
             cluster = autopar.Cluster.local(mesh=mesh_shape, axis_names=names)
             plan, captured, mesh = plan_for_ranks(
@@ -249,7 +249,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, backend: str) -> Non
             loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref.losses, strict=True))
             report.append(
                 {
-                    "run": f"{names}-{strategy}",
+                    "run": f"{sample}-{names}-{strategy}",
                     "bitwise": same,
                     "grad_err": grad_err,
                     "loss_err": loss_err,

@@ -32,7 +32,7 @@ from autopar.plan import MemoryPlan
 from autopar.planning import plan_for_ranks
 from autopar.runtime.memory_stats import track_memory
 from autopar.runtime.parallel_model import ParallelModel
-from autopar.testing.parity import LR, ParityCase, run_parity
+from autopar.testing.parity import LR, ParityCase, ParityResult, Tolerance, check, run_parity
 
 LAYERS = ("blocks.0", "blocks.1")
 
@@ -220,24 +220,17 @@ def _cases() -> tuple[list[ParityCase], list[int]]:
 def test_recompute_trains_bit_for_bit_like_without() -> None:
     cases, bases = _cases()
     results = run_parity(cases, 4)
-    failures = []
-    for case, res, b in zip(cases, results, bases, strict=True):
-        base = results[b]
-        line = (
-            f"{res.label}: loss {res.loss_rel_err:.1e} grad {res.grad_err:.1e} "
-            f"param {res.param_err:.1e} recomputed {res.recomputed} nodes"
-        )
-        print(line)
-        if res.error:
-            failures.append(f"{res.label}: {res.error}")
-            continue
-        if res.loss_rel_err > 1e-5 or res.grad_err > 1e-5 or res.param_err > LR * STEPS:
-            failures.append("tolerance exceeded: " + line)
+    base_of = {case: results[b] for case, b in zip(cases, bases, strict=True)}
+
+    def like_base(case: ParityCase, res: ParityResult) -> list[str]:
+        print(f"{res.label}: recomputed {res.recomputed} nodes")
         if case.memory is None:
-            continue
-        if res.recomputed == 0:
-            failures.append(f"{res.label}: nothing recomputed")
+            return []
+        base = base_of[case]
+        failures = [f"{res.label}: nothing recomputed"] if res.recomputed == 0 else []
         same = (res.losses, res.grad_abs_err, res.param_err)
         if same != (base.losses, base.grad_abs_err, base.param_err):
             failures.append(f"{res.label}: not bit for bit {same} vs {base.label}")
-    assert not failures, "\n".join(failures)
+        return failures
+
+    check(cases, results, Tolerance(loss=1e-5, grad=1e-5, param=LR * STEPS), like_base)

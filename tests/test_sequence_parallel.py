@@ -6,9 +6,12 @@
   "tp+sp" and lists the reduce-scatter / all-gather traffic.
 - Parity (4 gloo processes, one spawn for SP and context parallelism): ``strategy="sp"``
   pins TP with sequence-sharded norms, TP = 2 (x DP 2) for an RMSNorm model (Llama) and
-  TP = 4 for a LayerNorm one (GPT); ``strategy="cp"`` splits attention's queries on the
-  sequence with all-gathered K/V, CP = 2 (x DP 2) and CP = 4, causal (Llama) and
-  non-causal (the encoder of ``tests/test_context_parallel.py``); ``strategy="ep"`` splits
+  TP = 4 for a LayerNorm one (GPT); context parallelism splits attention on the sequence,
+  ``"cp-gather"`` with all-gathered K/V and ``"cp-ring"`` with ring attention (K/V blocks
+  passed around the axis, ``rules.ring``), each CP = 2 (x DP 2) and CP = 4, causal (Llama)
+  and non-causal (the encoder of ``tests/test_context_parallel.py``; the ring cases use its
+  "tiny-mixed" config, a non-causal block then a causal one, CP = 4 with full activation
+  checkpointing); ``strategy="ep"`` splits
   tokens and stacked expert weights (``samples/moe.py``), EP = 4 (top-2, shared expert),
   EP = 2 x DP 2 (top-1), and EP x TP+SP (top-2; the expert axis must show "dp+ep").
   Losses, gradients and parameters match the single-device run (which drops the same
@@ -24,6 +27,7 @@ import torch
 
 import autopar
 from autopar.cluster import Cluster
+from autopar.plan import MemoryPlan
 from autopar.testing.parity import LR, ParityCase, run_parity
 from autopar.views import axis_roles, summary
 from autopar.views.describe import seq_sharded_norms
@@ -32,13 +36,18 @@ from samples.llama import Llama, LlamaConfig, example_batch
 WORLD, STEPS = 4, 3
 
 ENCODER = "tests/test_context_parallel.py:build_encoder"
+MIXED = "tiny-mixed"  # a non-causal then a causal block: both ring paths in one case
+# full recompute re-runs the ring's forward passes in backward (every rank the same passes)
+FULL_AC = MemoryPlan(recompute=(("blocks.0", "full"), ("blocks.1", "full")))
 CASES = {  # case -> the role the plan's last axis must show
     ParityCase("llama", (2, 2), ("dp", "tp"), ("dp", "sp"), steps=STEPS): "tp+sp",
     ParityCase("gpt", (4,), ("tp",), "sp", steps=STEPS): "tp+sp",
-    ParityCase("llama", (2, 2), ("dp", "cp"), ("dp", "cp"), steps=STEPS): "cp",
-    ParityCase("llama", (4,), ("cp",), "cp", steps=STEPS): "cp",
-    ParityCase(ENCODER, (2, 2), ("dp", "cp"), ("dp", "cp"), steps=STEPS): "cp",
-    ParityCase(ENCODER, (4,), ("cp",), "cp", steps=STEPS): "cp",
+    ParityCase("llama", (2, 2), ("dp", "cp"), ("dp", "cp-gather"), steps=STEPS): "cp",
+    ParityCase("llama", (4,), ("cp",), "cp-gather", steps=STEPS): "cp",
+    ParityCase(ENCODER, (2, 2), ("dp", "cp"), ("dp", "cp-gather"), steps=STEPS): "cp",
+    ParityCase(ENCODER, (4,), ("cp",), "cp-gather", steps=STEPS): "cp",
+    ParityCase(ENCODER, (2, 2), ("dp", "cp"), ("dp", "cp-ring"), config=MIXED, steps=STEPS): "cp",
+    ParityCase(ENCODER, (4,), ("cp",), "cp-ring", config=MIXED, steps=STEPS, memory=FULL_AC): "cp",
     ParityCase("moe", (4,), ("ep",), "ep", config="tiny-shared", steps=STEPS): "dp+ep",
     ParityCase("moe", (2, 2), ("dp", "ep"), ("dp", "ep"), config="tiny-top1", steps=STEPS): "dp+ep",
     ParityCase("moe", (2, 2), ("ep", "tp"), ("ep", "sp"), steps=STEPS): "tp+sp",

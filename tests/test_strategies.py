@@ -34,6 +34,7 @@ from autopar.passes.strategies import (
     tensor_inputs,
 )
 from autopar.passes.strategies.rules import RULES
+from autopar.passes.strategies.rules.attention import ring_axis
 
 aten = torch.ops.aten
 MESH = (2, 2)
@@ -413,7 +414,11 @@ def test_autopar_rules_numerically(
         nodes = [n for n in case.table if str(n.target) == op]
         assert nodes
         for s in case.table[nodes[0]]:
-            _check(case, nodes[0], s, mesh)
+            # ring attention's schedule is per rank (sends to rank + 1, skips blocks by
+            # rank), which LocalTensorMode cannot run: the multi-process parity spawn of
+            # tests/test_sequence_parallel.py checks it
+            if ring_axis(nodes[0], s) is None:
+                _check(case, nodes[0], s, mesh)
 
 
 # ---------------------------------------------------------------- (c) CPU flash attention

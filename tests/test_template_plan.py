@@ -13,7 +13,7 @@ import pytest
 from autopar.capture.template import capture_template
 from autopar.cluster import Cluster
 from autopar.options import PlanOptions
-from autopar.planning import fake_group, prepare_search
+from autopar.planning import fake_group, prepare
 from autopar.search.template_plan import template_nodes
 from samples import get_sample
 
@@ -30,7 +30,7 @@ def _plans(sample_name: str, options: PlanOptions, mesh: tuple[int, ...]):
     model = sample.build("tiny4", device="meta")
     batch = sample.example_batch(model, 8, device="meta")
     cluster = Cluster.preset("cpu", mesh=mesh)
-    job, captured, regions, _ = prepare_search(model, batch, cluster, None, options)
+    job, captured, regions, _ = prepare(model, batch, cluster, None, options)
     # (`plan` takes the template route from TEMPLATE_MIN_BLOCKS blocks; tiny4 has 4)
     tpl = capture_template(model, job.capture_batch(batch))
     assert tpl.total_layers == 4

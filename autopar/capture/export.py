@@ -298,13 +298,19 @@ def layer_of(node: fx.Node) -> str | None:
 
     A placeholder belongs to the block of its users when they are all in one block (a
     block's own weights), see `_assign_weight_layers`."""
-    if "autopar_layer" in node.meta:
-        return node.meta["autopar_layer"]
-    stack = node.meta.get("nn_module_stack") or {}
-    for path, _cls in stack.values():
-        if re.search(r"(^|\.)\d+$", path):
-            return path
-    return None
+    meta = node.meta
+    if "autopar_layer" in meta:
+        return meta["autopar_layer"]
+    stack = meta.get("nn_module_stack") or {}
+    cached = meta.get("_autopar_layer_of")  # (the stack it was read from, its layer)
+    if cached is not None and cached[0] is stack:
+        return cached[1]
+    layer = next((path for path, _cls in stack.values() if _BLOCK_PATH.search(path)), None)
+    meta["_autopar_layer_of"] = (stack, layer)
+    return layer
+
+
+_BLOCK_PATH = re.compile(r"(^|\.)\d+$")
 
 
 def _assign_weight_layers(gm: fx.GraphModule) -> None:

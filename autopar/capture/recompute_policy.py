@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 import torch
 
+from autopar.capture.ring_merge import RING_MERGE, RING_SKIP
+
 aten = torch.ops.aten
 
 # The expensive producers selective checkpointing keeps (Megatron / torchtitan's "op"
@@ -37,6 +39,8 @@ SAVED_BY_SELECTIVE = frozenset(
         aten._scaled_dot_product_efficient_attention.default,
         aten._scaled_dot_product_cudnn_attention.default,
         aten.scaled_dot_product_attention.default,
+        RING_MERGE,  # ring attention's output (`capture.ring_merge`)
+        RING_SKIP,
     }
 )
 

@@ -13,7 +13,9 @@ import typer
 from autopar.cli.sources import ModelSource, check_source, resolve_source
 from autopar.cluster import PRESETS, Cluster, with_pipeline_axis
 from autopar.devices import BACKENDS, choose_backend
+from autopar.options import PlanOptions
 from autopar.plan import SCHEDULES
+from autopar.planning import searches_layout
 from autopar.search.pins import ROLES
 
 
@@ -171,10 +173,15 @@ def check_pipeline(
     except ValueError as exc:
         fail(str(exc).replace("pipeline_stages=", "--pipeline-stages "))
     pipelined = "pp" in searched.axis_names
-    if not pipelined and (pipe.microbatches is not None or pipe.schedule is not None):
+    searched_layout = searches_layout(PlanOptions(strategy=strategy), cluster)
+    if pipe.pipeline_stages is not None:
+        searched_layout = False
+    if not (pipelined or searched_layout) and (
+        pipe.microbatches is not None or pipe.schedule is not None
+    ):
         fail(
-            "--microbatches/--schedule need pipelining: pass --pipeline-stages N (N > 1) "
-            "or name the first mesh axis 'pp'"
+            "--microbatches/--schedule need pipelining: pass --pipeline-stages N (N > 1), "
+            "name the first mesh axis 'pp', or leave --mesh out (the layout is searched)"
         )
     if pipe.microbatches is not None and batch_size % pipe.microbatches:
         fail(
@@ -229,7 +236,8 @@ StagesOpt = Annotated[
     typer.Option(
         "--pipeline-stages",
         min=1,
-        help="pipeline stages: splits the first mesh axis (or name that axis pp)",
+        help="pipeline stages: splits the first mesh axis (or name that axis pp); 1: no "
+        "pipeline. Default: searched with the layout when --mesh is left out",
     ),
 ]
 MicrobatchesOpt = Annotated[

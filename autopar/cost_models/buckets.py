@@ -33,14 +33,23 @@ the step waits for ``max(0, done_last - end)`` after the backward ends at ``end`
 
 FSDP prefetch (``prefetch_exposure``): one all-gather per layer and phase; gather ``L+1`` is
 issued when gather ``L``'s wait runs and overlaps layer ``L``'s compute, so it shows
-``max(0, g_{L+1} - c_L)``; the first gather of the forward and of the backward re-gather (the
-first part, in that phase's order, that gathers at all) shows in full.
+``max(0, g_{L+1} - c_L)``; the forward's first gather (the first part that gathers at all)
+shows in full.
 
 Step (``overlapped_step``), per phase with layers in execution order: forward compute +
-forward gather exposure + backward compute + backward re-gather exposure + gradient
-exposure + ``exposed_comm`` (TP activation collectives, loss reductions: waited at once).
+forward gather exposure + backward compute + backward re-gathers + gradient exposure +
+``exposed_comm`` (TP activation collectives, loss reductions: waited at once). A backward
+re-gather (reshard after forward, full recompute) is waited in full: the pass prefetches
+the forward's gathers only and leaves a backward one just before its first reader
+(`passes.comm._schedule`).
 Gradient readiness is approximated from the layer order: a layer's gradients are ready when
 its backward compute ends (backward runs the layers in reverse).
+
+The program's options (`plan.CommPlan`, what `passes.comm` runs): the bucket caps are
+``bucket_bytes`` / ``first_bucket_bytes``; ``bucket=False`` runs one collective per tensor
+(gradients and gathers alike: ``collective_times``); ``overlap=False`` waits every
+collective at once (exposure = the sum of their times). With neither, the step is the ILP's
+price of the same collectives (``search.costs``: one per tensor, waited at once).
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ from collections.abc import Hashable, Sequence
 
 from autopar.cluster import Cluster
 from autopar.cost_models.comm import Collective, collective_time, ring_factors, volume_kind
+from autopar.plan import DEFAULT_COMM, CommPlan
 
 MIB = 1024 * 1024
 BUCKET_BYTES = 25 * MIB
@@ -59,6 +69,7 @@ __all__ = [
     "FIRST_BUCKET_BYTES",
     "bucket_plan",
     "bucket_times",
+    "collective_times",
     "fused_time",
     "latency_terms",
     "overlapped_step",
@@ -118,6 +129,14 @@ def bucket_times(
     return out
 
 
+def collective_times(grads: Sequence[Grad], cluster: Cluster, fused: bool = True) -> float:
+    """Seconds of `grads` waited at once: one collective per key (`fused_time`), or with
+    `fused=False` one per tensor (bandwidth and latency terms each)."""
+    if fused:
+        return fused_time(grads, cluster)
+    return sum(fused_time([g], cluster) for g in grads)
+
+
 def fused_time(grads: Sequence[Grad], cluster: Cluster) -> float:
     """Seconds of `grads` run as one collective (flat buffer) per key: bandwidth on the
     summed bytes, latency terms once per buffer. A pipeline rank's gradient sync after its
@@ -162,12 +181,15 @@ def overlapped_step(
     grads: Sequence[Sequence[Grad]],
     cluster: Cluster,
     exposed_comm: float = 0.0,
+    comm: CommPlan | None = DEFAULT_COMM,
 ) -> float:
     """Step seconds of layers (forward order) with the runtime's overlap (module doc).
 
     `forward`/`backward`: compute per layer; `gathers`/`regathers`: its weight all-gather in
-    forward / backward (0: none); `grads`: its gradient reductions; `exposed_comm`: the
-    collectives waited at once."""
+    forward / backward (0: none; fused or not as `comm.bucket` says, `collective_times`);
+    `grads`: its gradient reductions; `exposed_comm`: the collectives waited at once;
+    `comm`: the program's options (default `plan.DEFAULT_COMM`; None: no pass, nothing overlaps)."""
+    comm = CommPlan(bucket=False, overlap=False) if comm is None else comm
     order = list(reversed(range(len(forward))))  # backward order
     bwd = [backward[i] for i in order]
     ready_at, clock = {}, 0.0
@@ -178,14 +200,19 @@ def overlapped_step(
     for i in order:
         for key, kind, axis, nbytes in grads[i]:
             by_key.setdefault((key, Collective(kind), axis), []).append((ready_at[i], nbytes))
+    # without bucketing every tensor closes its own bucket (caps below any size)
+    caps = (comm.bucket_bytes, comm.first_bucket_bytes) if comm.bucket else (0.0, 0.0)
     ready, durations = [], []
     for (_, kind, axis), items in by_key.items():
         sizes = [b for _, b in items]
-        times = bucket_times(kind, sizes, axis, cluster)
-        for bucket, t in zip(bucket_plan(sizes), times, strict=True):
+        times = bucket_times(kind, sizes, axis, cluster, *caps)
+        for bucket, t in zip(bucket_plan(sizes, *caps), times, strict=True):
             ready.append(items[bucket[-1]][0])
             durations.append(t)
+    if not comm.overlap:
+        waited = sum(gathers) + sum(regathers) + sum(durations)
+        return sum(forward) + clock + waited + exposed_comm
     grad_wait = serial_exposure(ready, durations, clock)
     fwd_wait = prefetch_exposure(list(gathers), list(forward))
-    bwd_wait = prefetch_exposure([regathers[i] for i in order], bwd)
-    return sum(forward) + fwd_wait + clock + bwd_wait + grad_wait + exposed_comm
+    # backward re-gathers are issued at their first reader (not prefetched): waited in full
+    return sum(forward) + fwd_wait + clock + sum(regathers) + grad_wait + exposed_comm

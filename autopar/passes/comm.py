@@ -1,9 +1,19 @@
 """Communication pass: bucket gradient reductions and overlap collectives with compute.
 
 `optimize_comm(gm, options) -> CommStats` rewrites a lowered per-rank program (local ATen ops
-and `_c10d_functional` collectives, each collective's only user its `wait_tensor`) in place.
-Pipeline stage programs do not run it (their collectives stay waited at once: early issue
-there deadlocked a pp x dp x tp run on gloo; their gradients are reduced once per step):
+and `_c10d_functional` collectives, each collective's only user its `wait_tensor`) in place,
+and each pipeline stage's forward and backward graph with the plan's options
+(`runtime.pipeline`; `backward=True` tags an AOTAutograd backward graph as backward;
+pipelined plans carry `comm=None` today, so stages run it off). Every collective is issued
+and waited in the graph it was traced in, so none is in flight across a program's boundary
+(a schedule's sends and receives run between programs). Not yet guaranteed: the peers of a
+group issue their collectives in one order only when their programs are the same graph;
+uneven shards make rank-dependent graphs, whose re-ordering (early issue, prefetch) can
+differ (a pp x dp fsdp stage on an uneven split hung so: one dp peer in an all-gather, the
+other in a reduce-scatter). So a plan with an uneven shard carries `comm=None` and runs
+the program as traced, the same collective order on every rank (`search.intra_op.
+program_comm`, priced so); keeping the traced order of the collectives among themselves in
+the re-ordering would let such plans overlap too:
 
 1. Bucketing. Backward all-reduces and reduce-scatters (gradient reductions) with the same
    (op, reduce op, group, dtype) are fused DDP-style: in the order their inputs become ready,
@@ -13,7 +23,11 @@ there deadlocked a pp x dp x tp run on gloo; their gradients are reduced once pe
    and no cycle forms). All-gathers are fused per layer (the FSDP unit: one all-gather per
    layer group and phase, forward or backward re-gather). A bucket is one collective on the
    flat concatenation (inductor's merge functions, `torch._inductor.fx_passes.bucketing`,
-   through `autopar._compat`), split back into views. A fused all-gather is exact; a fused
+   through `autopar._compat`), split back into views; a piece that is not contiguous (a
+   gather's column block of the (ranks, total) result, viewed to a member whose first dim
+   is 1) is copied out contiguous, as the unfused result was (readers `view` it; left as a
+   strided view, that raised in one pipeline half's stage program and left the other half
+   waiting on its receive: the pp x dp x tp "deadlock"). A fused all-gather is exact; a fused
    reduction adds the same ranks' values, but a ring all-reduce's summation order depends
    on where an element sits in the buffer, so its last bit may differ (as DDP's buckets
    do): within the parity tolerances, not bit for bit.
@@ -32,7 +46,7 @@ there deadlocked a pp x dp x tp run on gloo; their gradients are reduced once pe
    NCCL's stream). Scheduling changes no number (the same ops on the same values, in
    another order).
 
-What the cost model must price so (`bucket_plan` is the bucket assignment as a pure
+What the cost model must price so (`cost_models.buckets.bucket_plan` is the bucket assignment as a pure
 function): per gradient-reduction key, sum(sizes) bytes in len(buckets) collectives (latency
 once per bucket, not per tensor); a bucket's time overlaps the backward compute that follows
 its last gradient; the last bucket is exposed. Memory (`search.liveness`): a bucket's
@@ -51,8 +65,8 @@ import torch
 import torch.fx as fx
 
 from autopar._compat import merge_collective_bucket
-from autopar.cost_models.buckets import bucket_plan  # noqa: F401  (the rule, priced there)
-from autopar.passes.recompute import RECOMPUTED, is_backward, layer_of
+from autopar.passes.recompute import PHASE, RECOMPUTED, is_backward, layer_of
+from autopar.plan import CommPlan
 
 MIB = 1024 * 1024
 _F = torch.ops._c10d_functional
@@ -80,25 +94,16 @@ VIEWS = {
 UNPACK = VIEWS | {torch.ops.aten.clone.default}
 
 
-@dataclass(frozen=True, slots=True)
-class CommOptions:
-    """How the pass rewrites a program (defaults: DDP's bucket sizes, overlap on)."""
-
-    bucket: bool = True
-    overlap: bool = True
-    bucket_bytes: int = 25 * MIB
-    first_bucket_bytes: int = 1 * MIB
-
-    def __post_init__(self) -> None:
-        if self.bucket_bytes <= 0 or self.first_bucket_bytes <= 0:
-            raise ValueError(
-                f"bucket sizes must be positive (got bucket_bytes={self.bucket_bytes}, "
-                f"first_bucket_bytes={self.first_bucket_bytes})"
-            )
-
-
+# the pass's options are the plan's record of them (`plan.CommPlan`: what the step was
+# priced with; defaults DDP's bucket sizes, overlap on)
+CommOptions = CommPlan
 DEFAULT = CommOptions()
 OFF = CommOptions(bucket=False, overlap=False)
+
+
+def options_of(comm: CommPlan | None) -> CommOptions:
+    """The pass's options for a plan's `comm` (what its step was priced with; None: OFF)."""
+    return OFF if comm is None else comm
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +115,16 @@ class CommStats:
     buckets: tuple[int, ...]  # members per fused collective
 
 
-def optimize_comm(gm: fx.GraphModule, options: CommOptions = DEFAULT) -> CommStats:
-    """Bucket and schedule the collectives of `gm` in place (see the module docstring)."""
+def optimize_comm(
+    gm: fx.GraphModule, options: CommOptions = DEFAULT, backward: bool = False
+) -> CommStats:
+    """Bucket and schedule the collectives of `gm` in place (see the module docstring).
+
+    `backward=True`: `gm` is a backward program as a whole (an AOTAutograd backward graph,
+    whose nodes `passes.recompute.backward_phase` did not tag): every node is tagged so."""
+    if backward:
+        for n in gm.graph.nodes:
+            n.meta["custom"] = {**(n.meta.get("custom") or {}), PHASE: "backward"}
     before = len(_collectives(gm.graph))
     sizes: list[int] = []
     if options.bucket and before:
@@ -174,8 +187,8 @@ def _bucket(graph: fx.Graph, options: CommOptions) -> list[int]:
         open_[key] = (members, held, index)
     done += [m for m, _, _ in open_.values() if m]
     for members in done:
-        if len(members) > 1:
-            _merge(graph, members, pos)
+        if len(members) > 1:  # positions afresh: an earlier merge added nodes
+            _merge(graph, members, {n: i for i, n in enumerate(graph.nodes)})
     _gather_into_fresh(graph)
     return [len(m) for m in done if len(m) > 1]
 
@@ -220,9 +233,28 @@ def _bytes(node: fx.Node) -> int:
 
 
 def _merge(graph: fx.Graph, members: list[fx.Node], pos: dict[fx.Node, int]) -> None:
-    """One collective for `members`, inserted right after the last input it reads."""
+    """One collective for `members`, inserted right after the last input it reads; each
+    member's piece of the flat result made contiguous where it is not, as an unfused
+    collective's result is (a fused gather's piece is a column block of the (ranks, total)
+    result: a reader's `view` fails on it)."""
     last = max((a for c in members for a in c.all_input_nodes), key=pos.__getitem__)
-    merge_collective_bucket(graph, members, last.next)
+    for piece in merge_collective_bucket(graph, members, last.next).values():
+        val = piece.meta.get("val")
+        assert isinstance(val, torch.Tensor), piece
+        if not val.is_contiguous():
+            _make_contiguous(graph, piece, val)
+
+
+def _make_contiguous(graph: fx.Graph, piece: fx.Node, val: torch.Tensor) -> None:
+    """Readers of `piece` read a contiguous copy of it instead (part of the unpacking)."""
+    readers = list(piece.users)
+    with graph.inserting_after(piece):
+        copy = graph.call_function(
+            torch.ops.aten.clone.default, (piece,), {"memory_format": torch.contiguous_format}
+        )
+    copy.meta = {**piece.meta, "val": val.clone(memory_format=torch.contiguous_format)}
+    for r in readers:
+        r.replace_input_with(piece, copy)
 
 
 def _gather_into_fresh(graph: fx.Graph) -> None:

@@ -38,8 +38,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from autopar._compat import local_tensor, make_fx, tree_flatten, tree_unflatten
 from autopar.capture import Captured
 from autopar.capture.export import layer_of
-from autopar.passes.comm import DEFAULT as DEFAULT_COMM
-from autopar.passes.comm import CommOptions, optimize_comm
+from autopar.passes.comm import CommOptions, optimize_comm, options_of
 from autopar.passes.precision import ParamBoundary
 from autopar.passes.recompute import backward_phase, recompute_activations, tag_layer
 from autopar.passes.strategies import register_dtensor_rules
@@ -178,15 +177,17 @@ def lower_plan(
     plan: Plan,
     mesh: DeviceMesh,
     example_locals: dict[str, torch.Tensor],
-    comm: CommOptions = DEFAULT_COMM,
+    comm: CommOptions | None = None,
 ) -> LocalStep:
     """Trace the planned step into a per-rank graph of local ops and functional collectives.
 
     `example_locals` maps every placeholder name to this rank's local tensor (parameters
     with requires_grad); only shapes and dtypes are used (tracing runs on fake tensors).
     `comm`: how `passes.comm` buckets the gradient reductions and overlaps the collectives
-    (`passes.comm.OFF`: the program as traced, one collective per tensor waited at once).
+    (`passes.comm.OFF`: the program as traced, one collective per tensor waited at once);
+    default: the plan's (`Plan.comm`, what its step time was priced with; None: OFF).
     """
+    comm = options_of(plan.comm) if comm is None else comm
     tensors = {t.name: t for t in plan.tensors}
     params = [n for n in captured.params if n in example_locals]
     buffers = [n for n in list(captured.buffers) + list(captured.constants)]

@@ -17,7 +17,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.capture import Captured
-from autopar.passes.comm import DEFAULT as DEFAULT_COMM
 from autopar.passes.comm import CommOptions
 from autopar.passes.lower import LocalStep, lower_plan
 from autopar.passes.precision import ParamBoundary
@@ -99,10 +98,10 @@ class ParallelModel(TrainingSteps):
         plan: Plan,
         mesh: DeviceMesh,
         optimizer: OptimizerFactory | None = None,
-        comm: CommOptions = DEFAULT_COMM,
+        comm: CommOptions | None = None,
     ):
         """`comm`: how the program's collectives are bucketed and overlapped (`passes.comm`;
-        `passes.comm.OFF` runs them as traced)."""
+        `passes.comm.OFF` runs them as traced; default: the plan's, `Plan.comm`)."""
         self.plan = plan
         self.mesh = mesh
         self.captured = captured

@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autopar._compat import aot_function, default_partition
+from autopar.passes.comm import CommOptions, optimize_comm, options_of
 from autopar.passes.lower import PlacedInterpreter, _wrap
 from autopar.passes.precision import ParamBoundary, flat_spec
 from autopar.passes.recompute import recompute_activations, recomputed_nodes
@@ -42,10 +43,23 @@ from autopar.passes.stages import StageGraph
 from autopar.plan import MemoryPlan, Plan, parse_spec
 from autopar.runtime.inductor import aot_compiler
 from autopar.runtime.shards import local_chunk, mesh_device
+from autopar.runtime.zero_bubble import WeightGradients
+from autopar.search.schedules import ZERO_BUBBLE
 
 
 def _identity_compiler(gm, _example_inputs):
     return gm
+
+
+def _comm_compiler(inner, comm: CommOptions, backward: bool):
+    """An AOTAutograd compiler: `passes.comm` on the graph (a backward one tagged as such),
+    then `inner`."""
+
+    def compile_(gm: fx.GraphModule, example_inputs):
+        optimize_comm(gm, comm, backward=backward)
+        return inner(gm, example_inputs)
+
+    return compile_
 
 
 class StageModule(nn.Module):
@@ -101,14 +115,24 @@ class StageModule(nn.Module):
 
         # fusion="inductor": the stage's forward and backward graphs go to torch.compile
         compiler = aot_compiler if plan.fusion == "inductor" else _identity_compiler
-        # no passes.comm here: a stage's collectives stay waited at once (early issue inside
-        # stage programs deadlocked pp x dp x tp on gloo); gradients are bucketed per step
+        # passes.comm on each forward and backward graph (a zero-bubble backward's halves
+        # each), with the plan's options (None, off, for pipelined plans today: see
+        # passes.comm); every collective is issued and waited inside its own graph
+        comm = options_of(plan.comm)
+        forward, backward = (_comm_compiler(compiler, comm, b) for b in (False, True))
         n_state = len(stage.params) + len(stage.buffers)
         # nodes the joint graph re-emits in backward (known after the first call)
         self.recomputed: list[int] = []
         partition = _recompute_partition(plan.memory, n_state, len(stage.inputs), self.recomputed)
+        # zero-bubble schedules: the backward cut into its input- and weight-gradient
+        # halves, run at the schedule's I and W actions (runtime.zero_bubble)
+        self.weight_grads = (
+            WeightGradients(lambda: self.shards) if plan.schedule in ZERO_BUBBLE else None
+        )
+        if self.weight_grads is not None:
+            backward = self.weight_grads.compiler(backward, n_params, n_state)
         self._program = aot_function(
-            program, fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition
+            program, fw_compiler=forward, bw_compiler=backward, partition_fn=partition
         )
 
     def forward(self, *inputs: torch.Tensor):

@@ -83,11 +83,12 @@ class PipelineModel(TrainingSteps):
             if graph.outputs != ["loss"]
             else torch.zeros((), device=self.device),
             group=self.pp_group,
-            # a stage program's backward yields input and weight gradients together, so
-            # the zero-bubble schedules' input-gradient action runs it whole and their
-            # weight-gradient action has nothing left to do (search.schedules.replay
-            # prices I and W so)
-            dw_builder=_nothing_left,
+            # zero-bubble schedules: the stage program's backward runs its input-gradient
+            # half at I and hands its weight-gradient half to W (`runtime.zero_bubble`);
+            # the other schedules run it whole (search.schedules.replay prices both so)
+            dw_builder=module.weight_grads.builder
+            if module.weight_grads is not None
+            else _nothing_left,
         )
 
     # ---- training --------------------------------------------------------------------

@@ -3,7 +3,9 @@
 node cost  = roofline(flops * (1 + backward_factor) / split, bytes * (2) / split) where
              `split` = product of the sizes of the mesh axes on which the strategy divides the
              work (some input or output Shard or Partial on that axis), over
-             `rules.attention.work_factor` (2 for causal attention split on the sequence).
+             `rules.attention.work_factor` (2 for causal attention split on the sequence,
+             (2n-1)/n on a ring of n); ring attention adds its K/V passes as it runs them,
+             overlapped step by step (`cost_models.ring`).
 forward    = roofline(flops / split, bytes / split): `forward_time`, what recomputing the node
              in backward costs (`autopar.search.levers`).
 edge cost  = redistribute(producer output -> consumer input), plus one link latency per
@@ -56,6 +58,7 @@ from autopar.capture.export import layer_of
 from autopar.capture.operands import Operand, tensor_operands
 from autopar.cluster import Cluster
 from autopar.cost_models import comm, compute, memory
+from autopar.cost_models.ring import ring_attention_time, ring_forward_time
 from autopar.passes.strategies import NodeStrategy, Spec
 from autopar.passes.strategies.rules import attention
 
@@ -117,6 +120,12 @@ class CostContext:
         self._inputs: dict[fx.Node, list[tuple[int, Operand]]] = {}
         self._flops: dict[fx.Node, tuple[float, float, str]] = {}
         self._forward_work: dict[fx.Node, tuple[float, float]] = {}
+        self._parts: dict[tuple, tuple[float, float]] = {}  # `edge_parts` memo
+        self._alive: dict[int, object] = {}  # the objects `_parts` keys by id
+        self._redistributed: dict[tuple, float] = {}  # `_redistribute` memo
+        self._matrices: dict[tuple, list[list[tuple[float, float]]]] = {}
+        self._grad_specs: dict[tuple[int, int], tuple] = {}
+        self._memories: dict[tuple[fx.Node, int], float] = {}
 
     # ---- graph helpers -------------------------------------------------------------------
     def operands(self, n: fx.Node) -> list[tuple[int, Operand]]:
@@ -135,8 +144,8 @@ class CostContext:
         if n.op != "call_function" or n.target in VIEW_OPS or n.target is operator.getitem:
             return 0.0
         flops, nbytes, dtype = self._work(n)
-        split = self._split(s) / attention.work_factor(n, s)
-        return compute.compute_time(
+        split = self._split(s) / attention.work_factor(n, s, self.mesh_shape)
+        t = compute.compute_time(
             flops / split,
             nbytes / split,
             dtype,
@@ -144,6 +153,12 @@ class CostContext:
             op=compute.op_class(n),
             kernels=compute.training_kernels(n),
         )
+        ring = attention.ring_axis(n, s)
+        if ring is None:
+            return t
+        kv = attention.ring_kv_bytes(n, s, self.mesh_shape)
+        ring_n, link = self.mesh_shape[ring], self.cluster.link(ring)
+        return ring_attention_time(t, compute.backward_factor(n), ring_n, kv, link)
 
     def forward_time(self, n: fx.Node, s: NodeStrategy) -> float:
         """The forward share of `node_cost` (what recomputing the node in backward costs):
@@ -152,10 +167,15 @@ class CostContext:
             return 0.0
         _, _, dtype = self._work(n)
         fwd, nbytes = self._forward_work[n]
-        split = self._split(s) / attention.work_factor(n, s)
-        return compute.compute_time(
+        split = self._split(s) / attention.work_factor(n, s, self.mesh_shape)
+        t = compute.compute_time(
             fwd / split, nbytes / split, dtype, self.cluster, op=compute.op_class(n)
         )
+        ring = attention.ring_axis(n, s)
+        if ring is None:
+            return t
+        kv = attention.ring_kv_bytes(n, s, self.mesh_shape)
+        return ring_forward_time(t, self.mesh_shape[ring], kv, self.cluster.link(ring))
 
     def _work(self, n: fx.Node) -> tuple[float, float, str]:
         if n not in self._flops:
@@ -178,6 +198,14 @@ class CostContext:
 
     def node_memory(self, n: fx.Node, s: NodeStrategy) -> float:
         """Bytes per device (see `autopar.cost_models.memory`), unweighted."""
+        key = (n, id(s))
+        found = self._memories.get(key)
+        if found is None:
+            self._alive[id(s)] = s
+            found = self._memories[key] = self._node_memory(n, s)
+        return found
+
+    def _node_memory(self, n: fx.Node, s: NodeStrategy) -> float:
         val = n.meta.get("val")
         if n.op == "placeholder":
             if not isinstance(val, torch.Tensor) or not s.outputs:
@@ -233,11 +261,39 @@ class CostContext:
 
     def edge_parts(self, op: Operand, src, v: fx.Node, s: NodeStrategy, pos: int):
         """(forward reshard, backward gradient reshard) in seconds of the value `op` reads
-        (from spec `src`) as input `pos` of `v` running `s`."""
+        (from spec `src`) as input `pos` of `v` running `s`. Memoized per (strategy, input,
+        source spec, shape, dtype size, weight or not): repeated layers and ops of one
+        shape ask for the same pair again."""
         dst = s.inputs[pos] if pos < len(s.inputs) else None
         val = op.tensor
         if src is None or dst is None or val is None:
             return 0.0, 0.0
+        weight = bool(self.reduce_itemsize) and self.is_weight(op.producer)
+        # by identity (placements hash in Python); `_alive` holds every object keyed by
+        # its id, so no id is reused while the memo lives
+        key = (id(s), pos, id(src), val.shape, val.dtype, weight)
+        found = self._parts.get(key)
+        if found is None:
+            self._alive[id(s)], self._alive[id(src)] = s, src
+            found = self._parts[key] = self._edge_parts(op, tuple(src), s, dst)
+        return found
+
+    def edge_part_matrices(
+        self, op: Operand, srcs: list, v: fx.Node, ss: list[NodeStrategy], pos: int
+    ) -> list[list[tuple[float, float]]]:
+        """`edge_parts` of every (source spec i, consumer strategy j) pair, [i][j],
+        memoized per (operand, consumer, position, srcs, ss): the ILPs of several
+        weight-edge scales and the levers price the same edges."""
+        key = (op, v, pos, tuple(map(id, srcs)), tuple(map(id, ss)))
+        found = self._matrices.get(key)
+        if found is None:
+            self._alive.update({id(x): x for x in (*srcs, *ss)})
+            found = [[self.edge_parts(op, src, v, s, pos) for s in ss] for src in srcs]
+            self._matrices[key] = found
+        return found
+
+    def _edge_parts(self, op: Operand, src, s: NodeStrategy, dst) -> tuple[float, float]:
+        val = op.tensor
         grad_dst = self._grad_spec_at_consumer(dst, s)
         grad_src = tuple(Replicate() if p.is_partial() else p for p in src)
         shape, size = tuple(val.shape), val.element_size()
@@ -278,6 +334,14 @@ class CostContext:
         return [((kind, axis, size), kind, axis, b) for axis, kind, b in parts]
 
     def _grad_spec_at_consumer(self, dst, s: NodeStrategy):
+        key = (id(s), id(dst))  # dst is one of s.inputs: alive while s is
+        found = self._grad_specs.get(key)
+        if found is None:
+            self._alive[id(s)] = s
+            found = self._grad_specs[key] = self._grad_spec(dst, s)
+        return found
+
+    def _grad_spec(self, dst, s: NodeStrategy):
         out = []
         for axis, p in enumerate(dst):
             split = any(
@@ -292,7 +356,13 @@ class CostContext:
         return tuple(out)
 
     def _redistribute(self, src, dst, shape, itemsize) -> float:
-        return _redistribute_cached(self.cluster, src, dst, shape, itemsize)
+        key = (src, dst, shape, itemsize)
+        found = self._redistributed.get(key)
+        if found is None:
+            found = self._redistributed[key] = _redistribute_cached(
+                self.cluster, src, dst, shape, itemsize
+            )
+        return found
 
 
 @lru_cache(maxsize=200_000)

@@ -68,6 +68,9 @@ class _Reduced:
     pair_mem: dict[tuple[int, int], Matrix]  # the memory matrix of each of `pairs`
     gates: dict[tuple[tuple[int, int], ...], list[float]] = field(default_factory=dict)
     # gates: free literals (decision, choice), 2 or more -> [cost, memory] of their product
+    blocks: dict[tuple[int, int, int, int], tuple[Matrix, Matrix]] = field(default_factory=dict)
+    # blocks: (u, v, w, c), u < v a pair of `pairs`, w free -> (cost, memory) matrices of the
+    # gated edges between u and v that count when w picks c (one term each, `ilp._add_blocks`)
 
     def fixed(self, i: int) -> bool:
         return len(self.allowed[i]) == 1
@@ -196,9 +199,12 @@ def _open_gates(p: IntraOpProblem) -> tuple[list, list[GatedEdge]]:
     return edges, gated
 
 
-def _fold_gates(red: _Reduced, gated: list[GatedEdge]) -> None:
-    """Resolve fixed literals; one free literal left is a node term, more are a `z`."""
+def _fold_gates(red: _Reduced, gated: list[GatedEdge], blocks: bool) -> None:
+    """Resolve fixed literals; one free literal left is a node term, more are a `z`; with
+    `blocks`, a gated edge between a pair with `e` variables and a free gate is a block."""
     for g in gated:
+        if blocks and _block(red, g):
+            continue
         for a in red.allowed[g.u]:
             for b in red.allowed[g.v]:
                 c, m = g.cost[a][b], (g.memory[a][b] if g.memory is not None else 0.0)
@@ -218,7 +224,31 @@ def _fold_gates(red: _Reduced, gated: list[GatedEdge]) -> None:
                     acc[1] += m
 
 
-def _reduce(p: IntraOpProblem) -> _Reduced:
+def _block(red: _Reduced, g: GatedEdge) -> bool:
+    """Add `g` to its (u, v, w, c) block when u, v and w are three free decisions and
+    (u, v) keeps its `e` variables; False otherwise."""
+    u, v, w = min(g.u, g.v), max(g.u, g.v), g.w
+    if len({u, v, w}) < 3 or any(red.fixed(d) for d in (u, v, w)) or (u, v) not in red.pairs:
+        return False
+    if g.choice not in red.allowed[w]:
+        return True  # never counts
+    flip = g.u > g.v
+    for which, m in enumerate((g.cost, g.memory)):
+        if m is None:
+            continue
+        rows = [list(c) for c in zip(*m, strict=True)] if flip else m
+        acc = red.blocks.setdefault((u, v, w, g.choice), (_zeros(rows), _zeros(rows)))[which]
+        for a, row in enumerate(rows):
+            for b, x in enumerate(row):
+                acc[a][b] += x
+    return True
+
+
+def _zeros(m) -> Matrix:
+    return [[0.0] * len(r) for r in m]
+
+
+def _reduce(p: IntraOpProblem, *, blocks: bool = True) -> _Reduced:
     _validate(p)
     cost = [list(c) for c in p.node_cost]
     mem = [list(m) for m in p.node_memory]
@@ -233,5 +263,5 @@ def _reduce(p: IntraOpProblem) -> _Reduced:
     red = _Reduced(cost, mem, allowed, pairs, pair_mem)
     _fold_fixed_edges(red)
     _fold_separable(red)
-    _fold_gates(red, gated)
+    _fold_gates(red, gated, blocks)
     return red

@@ -11,9 +11,10 @@ time t(l) and memory; outside layers, the embedding (first stage) and head/loss 
 For each schedule (pinned or all of them): v = virtual stages per rank, S = pp*v stages;
 the cut points come from the DP that minimizes the slowest stage over contiguous layer
 ranges (`balanced_cuts`); the timeline simulator (`search/schedules.py`) prices the
-schedule with per-stage forward (t/3) and backward (2t/3) times, the activation sends
-between ranks, and gives each rank's peak in-flight microbatches, which multiplies its
-stages' activation memory. A rank reduces its gradients once per step, after the last
+schedule with per-stage forward (t/3) and backward (2t/3) times (of which the zero-bubble
+schedules' W action runs the weight-gradient matmuls, `schedules.weight_gradient_work`),
+the activation sends between ranks, and gives each rank's peak in-flight microbatches,
+which multiplies its stages' activation memory. A rank reduces its gradients once per step, after the last
 backward, as one flat buffer per (collective, mesh axis, dtype)
 (`cost_models.buckets.fused_time`: the bytes summed, one latency per buffer), waited
 in full after the timeline. A schedule whose ranks do not fit in device memory is dropped;
@@ -43,7 +44,7 @@ from autopar.search.costs import CostWeights
 from autopar.search.ilp import MemoryInfeasible
 from autopar.search.intra_op import IntraOpResult, solve_intra
 from autopar.search.pins import SearchOptions
-from autopar.search.schedules import Timeline, simulate
+from autopar.search.schedules import Timeline, simulate, weight_gradient_work
 from autopar.search.to_plan import assemble_plan
 
 
@@ -76,10 +77,19 @@ class PartCost:
     state: float = 0.0  # parameters, gradients, optimizer state, bytes
     act: float = 0.0  # saved activations per microbatch, bytes
     grads: tuple[Grad, ...] = ()  # the gradient reductions behind `sync`
+    # zero-bubble schedules (`schedules.weight_gradient_work`): the part of `time` their W
+    # action runs, seconds, and the bytes held from I to W, per microbatch
+    wgrad: float = 0.0
+    stash: float = 0.0
 
     def __add__(self, other: PartCost) -> PartCost:
         sums = (a + b for a, b in zip(self.astuple(), other.astuple(), strict=True))
-        return PartCost(*sums, grads=self.grads + other.grads)
+        return PartCost(
+            *sums,
+            grads=self.grads + other.grads,
+            wgrad=self.wgrad + other.wgrad,
+            stash=self.stash + other.stash,
+        )
 
     def astuple(self) -> tuple[float, float, float, float]:
         return (self.time, self.sync, self.state, self.act)
@@ -126,7 +136,10 @@ def layer_costs(captured: Captured, result: IntraOpResult) -> LayerCosts:
         state = n.op == "placeholder" or n not in batch
         held = result.held_weights(n)  # gathered weights kept until backward: once per stage
         grads = tuple(g for pos, op in result.ctx.operands(n) for g in _grads(result, n, pos, op))
-        cost = PartCost(time, sync, (mem if state else 0.0) + held, 0.0 if state else mem, grads)
+        w = weight_gradient_work(result.ctx, n, result.chosen[n])
+        cost = PartCost(
+            time, sync, (mem if state else 0.0) + held, 0.0 if state else mem, grads, *w
+        )
         layer = layer_of(n)
         if layer is not None:
             seen_layer = True
@@ -232,7 +245,14 @@ def price_schedule(
     p2p = send_recv_time(lc.boundary_bytes, cluster.links[pp_axis])
     times = [p.time for p in stages]
     tl = simulate(
-        schedule, [t / 3 for t in times], [2 * t / 3 for t in times], microbatches, pp, p2p
+        schedule,
+        [t / 3 for t in times],
+        [2 * t / 3 for t in times],
+        microbatches,
+        pp,
+        p2p,
+        wgrad=[p.wgrad for p in stages],
+        stash=[min(p.stash / p.act, 1.0) if p.act else 1.0 for p in stages],
     )
     ranks = stage_ranks(schedule, pp)
     sub = stage_cluster(cluster)  # the mesh axes the gradients are reduced on

@@ -24,6 +24,23 @@ Building the ILP (`autopar.search.ilp` holds the formulation itself):
 4. `add_levers` (`autopar.search.levers`) — per shared layer, a recompute decision
    (none/selective/full) and a reshard-after-forward decision, priced jointly with the
    sharding; pinned by `activation_checkpointing=` / `reshard_after_forward=`.
+
+Ranking (`solve_intra` with `comm`, the program's communication pass `plan.CommPlan`): the
+ILP stays linear, every collective waited at once (an upper bound on the step), and the
+candidates are compared by the step as the runtime runs it (`search.step`, the overlap of
+`passes.comm`), which is `IntraOpResult.step_time`. Candidates:
+
+- the ILP's optimum for each pair of scales in `COMM_SCALES` of the weight edges' costs
+  (gathers: the FSDP all-gathers and their re-gathers; gradient reductions: what the pass
+  overlaps; (1, 1) is the plain bound, smaller ones ask for the plan that leans on the
+  overlap: prefetched gathers hide but the first, a bucketed reduction hides but its tail);
+- each of those with its levers swapped, the same choice on every layer, for every lever
+  choice the pins allow whose memory fits (`ilp_problem.evaluate`).
+
+Every candidate fits the memory limit. The fastest wins (ties: the earliest, i.e. the
+plain ILP's); `objective` is always its unscaled ILP objective, the bound. Without `comm`
+(pipeline stages, which run no pass) the ILP's optimum is the only candidate and its step
+time is the objective.
 """
 
 from __future__ import annotations
@@ -42,10 +59,19 @@ from autopar.capture.analysis import batch_dependent
 from autopar.capture.export import layer_of
 from autopar.cluster import Cluster
 from autopar.passes.strategies import NodeStrategy, enumerate_strategies
-from autopar.plan import MemoryPlan, Plan
+from autopar.plan import DEFAULT_COMM, CommPlan, MemoryPlan, Plan
 from autopar.search.costs import CostContext, CostWeights
-from autopar.search.ilp import Edge, IntraOpProblem, MemoryInfeasible, solve_intra_op
+from autopar.search.ilp import (
+    Edge,
+    IntraOpProblem,
+    IntraOpSolution,
+    MemoryInfeasible,
+    SolverTimeout,
+    evaluate,
+    solve_intra_op,
+)
 from autopar.search.levers import (
+    CHOICES,
     WEIGHT_NOT_SAVED,
     Levers,
     add_levers,
@@ -54,8 +80,13 @@ from autopar.search.levers import (
 )
 from autopar.search.pins import SearchOptions, apply_pins
 from autopar.search.progress import phase
-from autopar.search.step import predicted_step_time
+from autopar.search.step import predicted_step_time, program_comm
 from autopar.search.to_plan import assemble_plan
+
+# (gather, gradient reduction) cost scales of the weight edges in the ILPs whose optima are
+# ranked by the overlapped step: the bound; gathers prefetched (hidden but the first) with
+# the gradients' tail exposed; both mostly hidden
+COMM_SCALES: tuple[tuple[float, float], ...] = ((1.0, 1.0), (0.1, 1.0), (0.1, 0.1))
 
 
 @dataclass
@@ -154,7 +185,10 @@ def price(
     ctx: CostContext,
     memory_limit: float,
     time_limit_s: float,
+    comm_scale: tuple[float, float] = (1.0, 1.0),
 ) -> tuple[IntraOpProblem, list[int]]:
+    """The ILP of the decisions; `comm_scale` multiplies the weight edges' forward (gather)
+    and backward (gradient reduction) costs."""
     reps = sorted(set(rep))
     index = {r: i for i, r in enumerate(reps)}
     cost = [[0.0] * dec.items[r].num_choices for r in reps]
@@ -165,7 +199,7 @@ def price(
             for c, j in enumerate(mapping):
                 cost[i][c] += ctx.weights.of(n) * ctx.node_cost(n, strats[n][j])
                 mem[i][c] += ctx.weighted_memory(n, strats[n][j])
-    edges = _edges(dec, rep, index, strats, ctx)
+    edges = _edges(dec, rep, index, strats, ctx, comm_scale)
     problem = IntraOpProblem(
         node_cost=tuple(tuple(r) for r in cost),
         node_memory=tuple(tuple(r) for r in mem),
@@ -176,18 +210,28 @@ def price(
     return problem, [index[r] for r in rep]
 
 
-def _edges(dec: Decisions, rep, index, strats, ctx: CostContext) -> list[Edge]:
+def _edges(dec: Decisions, rep, index, strats, ctx: CostContext, scale) -> list[Edge]:
     acc: dict[tuple[int, int], list[list[float]]] = {}
     for d, item in enumerate(dec.items):
         v_node, v_map = item.members[0]
         for pos, op in ctx.operands(v_node):
+            scaled = scale != (1.0, 1.0) and ctx.is_weight(op.producer)
             du, map_u = dec.owner[op.producer]
             key = (index[rep[du]], index[rep[d]])
             mat = acc.setdefault(key, [[0.0] * len(v_map) for _ in map_u])
-            for cu, ju in enumerate(map_u):
-                src = ctx.output_spec(op, strats[op.producer][ju])
-                for cv, jv in enumerate(v_map):
-                    mat[cu][cv] += ctx.weighted_edge_cost(op, src, v_node, strats[v_node][jv], pos)
+            srcs = [ctx.output_spec(op, strats[op.producer][ju]) for ju in map_u]
+            ss = [strats[v_node][jv] for jv in v_map]
+            # as `CostContext.weighted_edge_cost` counts it; a scaled weight edge's forward
+            # (gather) and backward (gradient reduction) parts scaled by `scale`
+            w = ctx.weights.of(v_node)
+            sync = ctx.weights.sync if ctx.is_weight(op.producer) else 1.0
+            parts_of = ctx.edge_part_matrices(op, srcs, v_node, ss, pos)
+            for row, parts in zip(mat, parts_of, strict=True):
+                for cv, (fwd, bwd) in enumerate(parts):
+                    if scaled:
+                        row[cv] += w * (scale[0] * fwd + scale[1] * sync * bwd)
+                    else:
+                        row[cv] += w * (fwd + sync * bwd)
     return [Edge(u, v, tuple(tuple(r) for r in m)) for (u, v), m in acc.items()]
 
 
@@ -205,6 +249,8 @@ class IntraOpResult:
     recompute: dict[str, str] = field(default_factory=dict)  # layer -> recompute policy
     reshard: dict[str, bool] = field(default_factory=dict)  # layer -> reshard after forward
     memory_plan: tuple[tuple, tuple] = ((), ())  # (MemoryPlan.recompute, reshard_after_forward)
+    step_time: float = math.nan  # the step as the runtime runs it (module docstring)
+    comm: CommPlan | None = None  # the communication pass the program runs (`program_comm`)
 
     def recomputed(self, n: fx.Node) -> bool:
         """Whether `n`'s output is recomputed in backward under its layer's policy."""
@@ -269,58 +315,60 @@ def solve_intra(
     options: SearchOptions | None = None,
     weights: CostWeights | None = None,
     memory_limit: float | None = None,
+    comm: CommPlan | None = None,
 ) -> IntraOpResult:
-    """The ILP's choice per node. `weights` and `memory_limit` (default: the device's, or
-    `options.memory_limit`) are how a pipeline search asks for its stages' budget."""
+    """The fastest candidate (module docstring). `weights` and `memory_limit` (default: the
+    device's, or `options.memory_limit`) are how a pipeline search asks for its stages'
+    budget; `comm`: the communication pass the program runs (None: none, a pipeline stage's
+    program), by whose step the candidates are ranked."""
     options = options or SearchOptions()
     t0 = time.perf_counter()
     with phase("strategies"):
         strats = enumerate_strategies(captured.gm, mesh)
         strats = apply_pins(captured, strats, options, mesh)
+    scales = COMM_SCALES if comm is not None and cluster.world_size > 1 else COMM_SCALES[:1]
     with phase("costs"):
-        dec, problem, var_of, levers, ctx = _build_problem(
-            captured, cluster, strats, options, weights, memory_limit
-        )
-    limit = problem.memory_limit
-    try:
-        with phase("ILP"):
-            solution = solve_intra_op(problem)
-    except MemoryInfeasible as exc:
-        raise _explain_memory(exc, cluster, limit) from None
-    chosen = {
-        n: strats[n][mapping[solution.choices[var_of[d]]]] for n, (d, mapping) in dec.owner.items()
-    }
-    info = {
-        "status": solution.status,
-        "gap": solution.gap,
-        "solve_time_s": solution.solve_time_s,
-        "search_time_s": time.perf_counter() - t0,
-        "decisions": len(dec.items),
-        "ilp_decisions": len(problem.node_cost),
-        "edges": len(problem.edges),
-        **({"shard_optimizer": True} if options.shard_optimizer else {}),
-    }
-    priced = frozenset(item.members[0][0] for item in dec.items)
-    recompute, raf, policies = layer_summary(levers, solution.choices, chosen, priced, ctx)
-    reshard = levers.reshards(solution.choices)
-    info["recompute"] = dict(recompute)
-    info["reshard_after_forward"] = list(raf)
-    return IntraOpResult(
-        chosen,
-        ctx,
-        solution.objective,
-        solution.memory,
-        info,
-        priced,
-        levers,
-        policies,
-        reshard,
-        (recompute, raf),
+        built = _build_problem(captured, cluster, strats, options, weights, memory_limit, scales)
+    best, solve_s, seen = None, 0.0, set()
+    for k, problem in enumerate(built.problems):
+        try:
+            with phase("ILP"):
+                solution = solve_intra_op(problem)
+        except MemoryInfeasible as exc:  # the same memory at every scale
+            raise _explain_memory(exc, cluster, problem.memory_limit) from None
+        except SolverTimeout:
+            if k == 0:
+                raise
+            continue
+        solve_s += solution.solve_time_s
+        for choices, why in _variants(built, solution.choices, comm is not None):
+            if choices in seen:
+                continue
+            seen.add(choices)
+            result = _result(captured, built, strats, choices, solution, options, comm)
+            result.info["chosen_by"] = "ilp x{:g}/{:g}".format(*scales[k]) + why
+            if best is None or result.step_time < best.step_time:
+                best = result
+    assert best is not None
+    best.info.update(
+        solve_time_s=solve_s, search_time_s=time.perf_counter() - t0, step_candidates=len(seen)
     )
+    return best
 
 
-def _build_problem(captured, cluster, strats, options, weights, memory_limit):
-    """(decisions, the ILP with its levers, decision -> ILP variable, levers, prices)."""
+@dataclass
+class _Built:
+    """The decisions, one ILP per weight-edge cost scale (the first unscaled), the ILP
+    variable of each decision, the levers and the prices."""
+
+    dec: Decisions
+    problems: list[IntraOpProblem]
+    var_of: list[int]
+    levers: Levers
+    ctx: CostContext
+
+
+def _build_problem(captured, cluster, strats, options, weights, memory_limit, scales) -> _Built:
     ctx = CostContext(
         cluster,
         optimizer_states=options.optimizer_states,
@@ -334,38 +382,103 @@ def _build_problem(captured, cluster, strats, options, weights, memory_limit):
     dec = build_decisions(captured.gm, strats, ctx)
     rep = share_layers(dec, strats) if options.share_layers else list(range(len(dec.items)))
     limit = memory_limit or options.memory_limit or cluster.device.memory_bytes * 0.9
-    problem, var_of = price(dec, rep, strats, ctx, limit, options.time_limit_s)
-    index = {r: var_of[r] for r in set(rep)}
-    problem, levers = add_levers(
-        dec,
-        rep,
-        index,
-        strats,
+    problems = []
+    for scale in scales:
+        problem, var_of = price(dec, rep, strats, ctx, limit, options.time_limit_s, scale)
+        index = {r: var_of[r] for r in set(rep)}
+        problem, levers = add_levers(
+            dec,
+            rep,
+            index,
+            strats,
+            ctx,
+            problem,
+            recompute=options.activation_checkpointing,
+            reshard=options.reshard_after_forward,
+            comm_scale=scale,
+        )
+        problems.append(problem)
+    return _Built(dec, problems, var_of, levers, ctx)
+
+
+def _variants(built: _Built, choices: tuple[int, ...], swap: bool):
+    """(choices, what changed): the ILP's, then with `swap` its levers set to each lever
+    choice on every layer, where the pins allow it and the memory fits."""
+    yield choices, ""
+    levers = sorted(set(built.levers.decision.values()))
+    if not swap or not levers:
+        return
+    bound = built.problems[0]
+    for a, (policy, raf) in enumerate(CHOICES):
+        alt = list(choices)
+        for d in levers:
+            alt[d] = a
+        if alt == list(choices):
+            continue
+        cost, memory = evaluate(bound, alt)
+        if math.isfinite(cost) and memory <= bound.memory_limit:
+            yield tuple(alt), f", levers ({policy}, reshard={raf})"
+
+
+def _result(captured, built: _Built, strats, choices, solution: IntraOpSolution, options, comm):
+    """The candidate `choices` as an `IntraOpResult`, priced by the unscaled ILP and by
+    the step the runtime runs (`search.step`)."""
+    dec, levers, ctx = built.dec, built.levers, built.ctx
+    chosen = {
+        n: strats[n][mapping[choices[built.var_of[d]]]] for n, (d, mapping) in dec.owner.items()
+    }
+    objective, memory = evaluate(built.problems[0], choices)
+    info = {
+        "status": solution.status,
+        "gap": solution.gap,
+        "decisions": len(dec.items),
+        "ilp_decisions": len(built.problems[0].node_cost),
+        "edges": len(built.problems[0].edges),
+        **({"shard_optimizer": True} if options.shard_optimizer else {}),
+    }
+    priced = frozenset(item.members[0][0] for item in dec.items)
+    recompute, raf, policies = layer_summary(levers, choices, chosen, priced, ctx)
+    info["recompute"] = dict(recompute)
+    info["reshard_after_forward"] = list(raf)
+    result = IntraOpResult(
+        chosen,
         ctx,
-        problem,
-        recompute=options.activation_checkpointing,
-        reshard=options.reshard_after_forward,
+        objective,
+        memory,
+        info,
+        priced,
+        levers,
+        policies,
+        levers.reshards(choices),
+        (recompute, raf),
     )
-    return dec, problem, var_of, levers, ctx
+    result.comm = program_comm(chosen, ctx.cluster.mesh_shape, comm)
+    result.info["comm_pass"] = result.comm is not None
+    if result.comm is None:
+        result.step_time = objective
+    else:
+        result.step_time = predicted_step_time(captured, result, result.comm)
+    return result
 
 
 def search_plan(
     captured: Captured, cluster: Cluster, mesh: DeviceMesh, options: SearchOptions | None = None
 ) -> Plan:
     options = options or SearchOptions()
-    result = solve_intra(captured, cluster, mesh, options)
+    result = solve_intra(captured, cluster, mesh, options, comm=DEFAULT_COMM)
     return assemble_plan(
         captured,
         cluster,
         result.chosen,
         options.strategy_name(),
-        result.objective,
+        result.step_time,
         result.memory,
-        {**result.info, "overlapped_step_time": predicted_step_time(captured, result)},
+        {**result.info, "ilp_step_time_bound": result.objective},
         priced=result.priced,
         memory=MemoryPlan(
             recompute=result.memory_plan[0], reshard_after_forward=result.memory_plan[1]
         ),
+        comm=result.comm,
     )
 
 

@@ -13,32 +13,38 @@ submeshes are not searched.
 Each candidate is priced on a *template* (`autopar.capture.template`: the model captured
 with two of its blocks, the second weighted by the number of blocks it stands for) at the
 microbatch's shape, cached by shape, so a 112-block model prices like a 2-block one:
-`pp == 1` by the ILP's objective (one microbatch, the whole batch), `pp > 1` by
+`pp == 1` by the overlapped step (`IntraOpResult.step_time`, the whole batch), `pp > 1` by
 `inter_op.solve_pipeline` (the ILP with pipeline weights, then every schedule simulated).
 Microbatches hold `mbs` rows per data-parallel replica, `mbs` in 1, 2 (Megatron's micro
 batch size), so `M = rows / (dp * mbs)`, and `M >= pp`.
 
-Pruning: for each `tp`, `pp` runs through the divisors of `devices / tp` that divide the
-number of blocks; microbatch sizes grow until one does not fit. The step time need not be
-unimodal in `pp` (the memory levers switch on and off, the divisors jump, a schedule
-starts to fit), so the walk does not stop at the first slower degree: it stops after
-`PATIENCE` consecutive feasible degrees slower than the best of its `tp` (a bump of up to
-`PATIENCE - 1` degrees is walked through), and infeasible degrees never stop it.
+Which degrees: for each `tp`, every divisor `pp` of `devices / tp` that divides the number
+of blocks (they are few: 26 for 48 GPUs and 24 blocks); microbatch sizes grow until one
+does not fit. The step time is not unimodal in `pp` (the memory levers switch on and off,
+the divisors jump, a schedule starts to fit), so no degree is skipped on the strength of
+its neighbours: every one is priced, the degrees without a pipeline first (their answer is
+the bar the pipelines must beat). A model without two blocks, or one whose forward updates
+buffers (pipeline stages do not write them back), is searched without pipelines.
 """
 
 from __future__ import annotations
 
+import math
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
+from autopar._compat import shape_only_mesh
 from autopar.capture.analysis import layer_order
+from autopar.capture.export import layer_of
 from autopar.capture.template import Template, capture_template
 from autopar.cluster import Cluster
+from autopar.cost_models import compute
+from autopar.search.costs import VIEW_OPS
 from autopar.search.ilp import MemoryInfeasible, SolverTimeout
 from autopar.search.inter_op import PipelineOptions
 from autopar.search.pins import SearchOptions
@@ -46,7 +52,6 @@ from autopar.search.progress import candidate, phase
 from autopar.search.template_plan import solve_on_template
 
 MICROBATCH_ROWS = (1, 2)  # rows per data-parallel replica in one microbatch
-PATIENCE = 2  # consecutive pipeline degrees slower than the best before a tp's walk stops
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,16 +108,25 @@ class _Pricer:
                 self.templates[rows] = capture_template(self.model, mb, self.loss_fn)
         return self.templates[rows]
 
+    def bound(self, layout: Layout) -> float:
+        """A lower bound of `layout`'s step time: its ranks do M microbatches of compute,
+        summed over the pp ranks at least the whole model's (`compute_bound`), and no
+        schedule, communication or memory lever takes any away."""
+        tpl = self.template(self.batch[0].shape[0] // layout.microbatches)
+        per_mb = compute_bound(tpl, self.cluster, layout.dp * layout.tp)
+        return per_mb * layout.microbatches / layout.pp
+
     def price(self, layout: Layout, schedule: str | None) -> tuple[float, float, Layout]:
         """(step seconds, peak bytes, the layout with its schedule); ValueError if none fits."""
         rows = self.batch[0].shape[0] // layout.microbatches
         tpl = self.template(rows)
         cluster = layout.cluster(self.cluster)
-        # under the fake group (shapes only): a cpu mesh prices any device's plan
-        mesh = init_device_mesh("cpu", cluster.mesh_shape, mesh_dim_names=cluster.axis_names)
+        # shapes only: a mesh without process groups prices any device's plan, and rank 0
+        # of a running job can build meshes the other ranks never do
+        mesh = shape_only_mesh("cpu", cluster.mesh_shape, cluster.axis_names)
         if layout.pp == 1:
             result = solve_on_template(tpl, cluster, mesh, self.options, None)
-            return result.objective, result.memory, layout
+            return result.step_time, result.memory, layout
         pipeline = PipelineOptions(layout.microbatches, schedule)
         result, best, _ = solve_on_template(tpl, cluster, mesh, self.options, pipeline)
         chosen = Layout(layout.pp, layout.dp, layout.tp, layout.microbatches, best.schedule)
@@ -168,23 +182,25 @@ def _search_layout(
     model, batch, cluster, options, loss_fn, pipeline_stages, microbatches, schedule
 ) -> LayoutSearch:
     t0 = time.perf_counter()
+    _check_state_fits(model, cluster, options)
     pricer = _Pricer(model, batch, cluster, options, loss_fn)
-    layers = pricer.template(batch[0].shape[0]).total_layers or _captured_layers(pricer)
-    candidates = candidate_layouts(
-        cluster, batch[0].shape[0], layers, pipeline_stages, microbatches
-    )
+    rows = batch[0].shape[0]
+    whole = pricer.template(rows)
+    layers = whole.total_layers or _captured_layers(pricer)
+    if layers < 2 or whole.captured.mutated_buffers:
+        pipeline_stages = 1  # nothing to cut, or stages that would not write buffers back
+    candidates = candidate_layouts(cluster, rows, layers, pipeline_stages, microbatches)
     if not candidates:
         raise ValueError(
             f"no layout of {cluster.world_size} devices splits a batch of "
-            f"{batch[0].shape[0]} rows evenly; use a batch divisible by the data-parallel "
+            f"{rows} rows evenly; use a batch divisible by the data-parallel "
             "degree (e.g. a multiple of the device count)"
         )
     tried: dict[str, float | str] = {}
-    best = None
-    for by_degree in candidates.values():
-        found = walk_degrees(by_degree, lambda ls: _price_all(pricer, ls, schedule, tried))
-        if found is not None and (best is None or found[0] < best[0]):
-            best = found
+    degrees = [d for by_degree in candidates.values() for d in by_degree]
+    best = price_degrees(
+        degrees, lambda layouts, bar: _price_all(pricer, layouts, schedule, tried, bar)
+    )
     if best is None:
         raise ValueError(
             "no layout fits: " + "; ".join(f"{k}: {v}" for k, v in list(tried.items())[:8])
@@ -193,29 +209,33 @@ def _search_layout(
     return LayoutSearch(layout, step, peak, tried, time.perf_counter() - t0, pricer.templates)
 
 
-def walk_degrees(by_degree: list[list[Layout]], price: Callable) -> tuple | None:
-    """The fastest of one tp's pipeline degrees (ascending): `price(layouts)` gives the
-    fastest (step, peak, layout) of a degree or None; the walk stops after `PATIENCE`
-    consecutive priced degrees slower than the best so far."""
-    best, worse = None, 0
-    for layouts in by_degree:
-        found = price(layouts)
-        if found is None:
-            continue
-        if best is not None and found[0] >= best[0]:
-            worse += 1
-            if worse >= PATIENCE:
-                break
-            continue
-        best, worse = found, 0
+def price_degrees(degrees: list[list[Layout]], price: Callable) -> tuple | None:
+    """The fastest (step, peak, layout) over every degree: `price(layouts, bar)` gives the
+    fastest of one degree's layouts that beats `bar` (the best step so far), or None. All
+    degrees are offered (the step time is not unimodal in the degree), those without a
+    pipeline first; within a degree, `price` skips the layouts whose lower bound is
+    already `bar` or more."""
+    best = None
+    for layouts in sorted(degrees, key=lambda ls: ls[0].pp > 1):
+        found = price(layouts, math.inf if best is None else best[0])
+        if found is not None and (best is None or found[0] < best[0]):
+            best = found
     return best
 
 
-def _price_all(pricer: _Pricer, layouts, schedule, tried) -> tuple[float, float, Layout] | None:
+def _price_all(
+    pricer: _Pricer, layouts, schedule, tried, bar: float = math.inf
+) -> tuple[float, float, Layout] | None:
     """The fastest of one degree's layouts (most microbatches first: once one does not
-    fit, larger microbatches will not either)."""
+    fit, larger microbatches will not either); a layout whose compute bound reaches `bar`
+    cannot win and is not priced."""
     best = None
     for layout in layouts:
+        bound = pricer.bound(layout)
+        if bound >= bar:
+            tried[layout.key] = f"pruned: compute bound {bound:.4g} s >= best {bar:.4g} s"
+            candidate(layout.key, None)
+            continue
         try:
             found = pricer.price(layout, schedule)
         except (MemoryInfeasible, ValueError) as exc:
@@ -231,6 +251,48 @@ def _price_all(pricer: _Pricer, layouts, schedule, tried) -> tuple[float, float,
         if best is None or found[0] < best[0]:
             best = found
     return best
+
+
+def compute_bound(template: Template, cluster: Cluster, devices: int) -> float:
+    """Seconds of one step's forward + backward compute (no communication) with every
+    node's work split over all `devices`, the template's layers weighted: the ILP prices
+    a node on a mesh of `devices` at `roofline(flops * (1 + backward) / split, 2 * bytes /
+    split) + launches` with `split <= devices` (`search.costs.CostContext.node_cost`), the
+    roofline grows with the work, and recompute only adds; so no plan on those devices
+    computes a step in less."""
+    total = 0.0
+    for n in template.captured.gm.graph.nodes:
+        if n.op != "call_function" or n.target in VIEW_OPS or n.target is operator.getitem:
+            continue
+        val = n.meta.get("val")
+        val = val[0] if isinstance(val, (tuple, list)) and val else val
+        dtype = str(val.dtype).removeprefix("torch.") if isinstance(val, torch.Tensor) else None
+        flops = compute.node_flops(n) * (1.0 + compute.backward_factor(n))
+        t = compute.compute_time(
+            flops / devices,
+            2.0 * compute.node_bytes(n) / devices,
+            dtype or "float32",
+            cluster,
+            op=compute.op_class(n),
+            kernels=compute.training_kernels(n),
+        )
+        total += t * template.weights.get(layer_of(n), 1.0)
+    return total
+
+
+def _check_state_fits(model: nn.Module, cluster: Cluster, options: SearchOptions) -> None:
+    """No layout fits when the parameters, their gradients and optimizer states, every one
+    at the parameter's own itemsize and held once over all devices (the least any plan
+    keeps), already exceed a device: ValueError before any template is priced."""
+    per_elem = 2 + options.optimizer_states
+    state = sum(p.numel() * p.element_size() * per_elem for p in model.parameters())
+    limit = options.memory_limit or cluster.device.memory_bytes * 0.9
+    if state / cluster.world_size > limit:
+        raise ValueError(
+            f"no layout fits: parameters, gradients and optimizer states need at least "
+            f"{state / cluster.world_size / 2**30:.1f} GiB per device over all "
+            f"{cluster.world_size} devices, above the {limit / 2**30:.1f} GiB limit"
+        )
 
 
 def _captured_layers(pricer: _Pricer) -> int:

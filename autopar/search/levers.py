@@ -37,6 +37,9 @@ reshards or recomputes fully:
     v in L, not regathered:    memory + w * g                   (`GatedEdge`s on D_C)
     v in L, regathered:        time + w * t  (all-gathered again for backward)
                                memory + g if L == C  (one layer's gathered copy, working set)
+The re-gather's time is a weight edge's gather: `comm_scale[0]` multiplies it as
+`intra_op.price` scales the weight edges' gathers (the candidates `intra_op.solve_intra`
+ranks by the overlapped step).
 """
 
 from __future__ import annotations
@@ -195,6 +198,7 @@ def add_levers(
     *,
     recompute: str = "auto",
     reshard: bool | str = "auto",
+    comm_scale: tuple[float, float] = (1.0, 1.0),
 ) -> tuple[IntraOpProblem, Levers]:
     """The problem with the lever decisions and terms appended (module docstring)."""
     canon = canonical_layers(dec, rep)
@@ -209,7 +213,7 @@ def add_levers(
     mem = [*problem.node_memory, *[(0.0,) * len(CHOICES)] * len(layers)]
     terms = _Terms([len(c) for c in cost])
     _price_recompute(dec, rep, index, strats, ctx, lv, terms)
-    _price_weights(dec, rep, index, strats, ctx, lv, terms)
+    _price_weights(dec, rep, index, strats, ctx, lv, terms, comm_scale[0])
     return terms.problem(problem, cost, mem), lv
 
 
@@ -245,16 +249,19 @@ def _price_collectives(dec, rep, index, strats, ctx: CostContext, d: int, r: int
         du, map_u = dec.owner[op.producer]
         fulls = [k for k, (policy, _) in enumerate(CHOICES) if policy == "full"]
         gates = [terms.gate(index[rep[du]], v, r, k)[0] for k in fulls]
-        for cu, ju in enumerate(map_u):
-            src = ctx.output_spec(op, strats[op.producer][ju])
-            for cv, jv in enumerate(v_map):
-                fwd, _ = ctx.edge_parts(op, src, v_node, strats[v_node][jv], pos)
+        srcs = [ctx.output_spec(op, strats[op.producer][ju]) for ju in map_u]
+        ss = [strats[v_node][jv] for jv in v_map]
+        w = ctx.weights.of(v_node)
+        for cu, row in enumerate(ctx.edge_part_matrices(op, srcs, v_node, ss, pos)):
+            for cv, (fwd, _) in enumerate(row):
                 if fwd < float("inf"):  # an inf pair is forbidden by the plain edge
                     for cost in gates:
-                        cost[cu][cv] += ctx.weights.of(v_node) * fwd
+                        cost[cu][cv] += w * fwd
 
 
-def _price_weights(dec, rep, index, strats, ctx: CostContext, lv: Levers, terms) -> None:
+def _price_weights(
+    dec, rep, index, strats, ctx: CostContext, lv: Levers, terms, scale: float
+) -> None:
     """Gathered weight copies: kept until backward, or freed and gathered again."""
     for d, item in enumerate(dec.items):
         v_node, v_map = item.members[0]
@@ -273,17 +280,18 @@ def _price_weights(dec, rep, index, strats, ctx: CostContext, lv: Levers, terms)
                 kept = [terms.gate(u, v, f, k) for k, c in enumerate(CHOICES) if not _regathered(c)]
                 again = [terms.gate(u, v, f, k) for k, c in enumerate(CHOICES) if _regathered(c)]
             once = layer is not None and layer == lv.canonical[layer]
-            for cu, ju in enumerate(map_u):
-                src = ctx.output_spec(op, strats[op.producer][ju])
-                for cv, jv in enumerate(v_map):
-                    fwd, _ = ctx.edge_parts(op, src, v_node, strats[v_node][jv], pos)
+            srcs = [ctx.output_spec(op, strats[op.producer][ju]) for ju in map_u]
+            ss = [strats[v_node][jv] for jv in v_map]
+            for cu, row in enumerate(ctx.edge_part_matrices(op, srcs, v_node, ss, pos)):
+                for cv, (fwd, _) in enumerate(row):
+                    jv = v_map[cv]
                     if not 0 < fwd < float("inf"):
                         continue
                     g = gathered_bytes(op, strats[v_node][jv], pos, ctx)
                     for _, mem in kept:
                         mem[cu][cv] += w * g
                     for cost, mem in again:
-                        cost[cu][cv] += w * fwd
+                        cost[cu][cv] += w * fwd * scale
                         mem[cu][cv] += g if once else 0.0
 
 

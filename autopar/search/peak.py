@@ -14,7 +14,9 @@ nodes by layer, weight-only nodes copied into every stage that reads them); each
 simulated for one microbatch (the captured graph is one microbatch), receiving the values
 of earlier stages and sending (and getting gradients back for) what later stages read.
 Pipeline rank r, holding stages S_r, with k_r microbatches in flight at its peak
-(`search.schedules.simulate(...).in_flight`):
+(`search.schedules.simulate(...).in_flight`; under a zero-bubble schedule a microbatch
+between its I and W counts as the fraction of its kept activations the W half holds,
+`stage_stash` / kept):
 
     peak_r = sum over S_r of ( simulated peak
                                + (k_r - 1) * kept   (saved activations, stage outputs and
@@ -40,6 +42,7 @@ import torch.fx as fx
 from autopar.capture import Captured
 from autopar.capture.analysis import batch_dependent, layer_order
 from autopar.capture.export import layer_of
+from autopar.capture.operands import tensor_operands
 from autopar.cost_models.memory import local_shape, replicas
 from autopar.plan import Plan, parse_spec, stage_ranks
 from autopar.search.liveness import (
@@ -49,7 +52,7 @@ from autopar.search.liveness import (
     probe_graph,
     simulate_step,
 )
-from autopar.search.schedules import simulate
+from autopar.search.schedules import simulate, weight_gradient_reads
 
 __all__ = ["PeakMemory", "predict_peak", "predict_peak_per_rank", "probe_graph"]
 
@@ -80,20 +83,61 @@ def predict_peak_per_rank(
     pipe = plan.pipeline
     owners = stage_ranks(pipe.schedule, pipe.pp)
     n = len(stages)
-    timeline = simulate(pipe.schedule, [1.0] * n, [2.0] * n, pipe.microbatches, pipe.pp)
+    sims = [
+        simulate_step(
+            captured,
+            plan,
+            stages[s],
+            probes,
+            optimizer_states,
+            foreach,
+            frozenset(x for t in range(s + 1, n) for x in stages[t]),
+        )
+        for s in range(n)
+    ]
+    # zero-bubble schedules: the part of a microbatch's activations held from I to W
+    stash = [
+        min(stage_stash(captured, plan, stages[s]) / p.kept, 1.0) if p.kept else 1.0
+        for s, p in enumerate(sims)
+    ]
+    timeline = simulate(
+        pipe.schedule, [1.0] * n, [2.0] * n, pipe.microbatches, pipe.pp, stash=stash
+    )
     batch = _batch_bytes(captured, plan)
     out = []
     for rank in range(pipe.pp):
         mine = [s for s in range(n) if owners[s] == rank]
-        sims, grads = [], []
-        for s in mine:
-            later = frozenset(x for t in range(s + 1, n) for x in stages[t])
-            sims.append(
-                simulate_step(captured, plan, stages[s], probes, optimizer_states, foreach, later)
-            )
-            grads.append(stage_gradients(captured, plan, stages[s]))
-        out.append(_combine(sims, grads, timeline.in_flight[rank], pipe.microbatches, batch))
+        grads = [stage_gradients(captured, plan, stages[s]) for s in mine]
+        rank_sims = [sims[s] for s in mine]
+        out.append(_combine(rank_sims, grads, timeline.in_flight[rank], pipe.microbatches, batch))
     return out
+
+
+def stage_stash(captured: Captured, plan: Plan, nodes: list[fx.Node]) -> float:
+    """Bytes one microbatch's weight-gradient half holds on this stage from the
+    zero-bubble schedules' I action to their W (`runtime.zero_bubble`): per matmul reading
+    a weight, its activation as its plan reads it and its output's gradient, local
+    (`search.schedules.weight_gradient_reads`)."""
+    batch = batch_dependent(captured)
+    mesh = plan.stage_mesh_shape
+    index = {p.name: p for p in plan.nodes}
+
+    def is_weight(x: fx.Node) -> bool:
+        return x.name in captured.params or (x.op != "placeholder" and x not in batch)
+
+    def local(t, spec: str | None) -> float:
+        shape = local_shape(t.shape, parse_spec(spec), mesh) if spec else t.shape
+        return float(math.prod(shape) * t.element_size())
+
+    total = 0.0
+    for n in nodes:
+        acts = weight_gradient_reads(n, tensor_operands(n), is_weight)
+        node = index.get(n.name)
+        if not acts or node is None:
+            continue
+        total += sum(local(op.tensor, node.inputs[pos]) for pos, op in acts)
+        total += local(n.meta["val"], node.outputs[0])
+    return total
 
 
 def stage_gradients(captured: Captured, plan: Plan, nodes: list[fx.Node]) -> tuple[float, ...]:
@@ -134,7 +178,7 @@ def stage_gradients(captured: Captured, plan: Plan, nodes: list[fx.Node]) -> tup
 def _combine(
     sims: list[PeakMemory],
     grads: list[tuple[float, ...]],
-    in_flight: int,
+    in_flight: float,
     microbatches: int,
     batch: float,
 ) -> PeakMemory:

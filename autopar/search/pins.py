@@ -15,8 +15,9 @@ name applies to every axis. A role pins only what defines it and leaves the rest
           NORM_OPS`) sequence-sharded on the axis: Megatron-SP (reduce-scatter into the
           norm region, all-gather out of it)
     cp    user inputs Shard(1) (sequence); parameters Replicate; every attention computed
-          from the batch splits its queries on the sequence (`rules.attention`: K/V
-          all-gathered); the rest is the ILP's
+          from the batch splits its queries on the sequence (`rules.attention`: ring or
+          all-gathered K/V, the ILP's choice); the rest is the ILP's. "cp-ring" and
+          "cp-gather" pin the variant (K split on the sequence, or K Replicate)
     ep    as dp, but stacked expert weights (3-D parameters `[E, ...]`) Shard(0): the
           expert matmuls run on the local experts, dispatched tokens reach them by an
           all-to-all (token-split Shard(1) -> expert-split Shard(0) of `[E, G*C, d]`)
@@ -39,7 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar.capture import Captured
-from autopar.options import ROLES, PlanOptions
+from autopar.options import CP_ROLES, ROLES, PlanOptions
 from autopar.passes.strategies import NodeStrategy
 from autopar.passes.strategies.rules.sequence import is_norm, seq_sharded
 from autopar.plan import parse_spec, spec_str
@@ -161,8 +162,8 @@ def _pin_compute(
                 keep = [s for s in strats[n] if _batch_sharded(s, n, axis)]
             elif role in ("tp", "sp") and n.target in MATMULS:
                 keep = [s for s in strats[n] if _feature_split(s, axis)]
-            elif role == "cp" and n.target == aten.scaled_dot_product_attention.default:
-                keep = [s for s in strats[n] if s.outputs[0] and s.outputs[0][axis] == Shard(2)]
+            elif role in CP_ROLES and n.target == aten.scaled_dot_product_attention.default:
+                keep = [s for s in strats[n] if _cp_split(s, axis, role)]
             elif role == "sp" and is_norm(str(n.target).removeprefix("aten.")):
                 keep = [s for s in strats[n] if _seq_split(s, n, axis)]
             else:
@@ -181,6 +182,15 @@ def _batch_sharded(s: NodeStrategy, n: fx.Node, axis: int) -> bool:
         if not (p == Shard(0) or (val.ndim == 0 and p.is_partial())):
             return False
     return True
+
+
+def _cp_split(s: NodeStrategy, axis: int, role: str) -> bool:
+    """Attention's queries split on the sequence on `axis`, K too for "cp-ring", K
+    Replicate for "cp-gather"."""
+    if not (s.outputs[0] and s.outputs[0][axis] == Shard(2)):
+        return False
+    k = s.inputs[1][axis] if len(s.inputs) > 1 and s.inputs[1] else None
+    return role == "cp" or (k == Shard(2)) == (role == "cp-ring")
 
 
 def _seq_split(s: NodeStrategy, n: fx.Node, axis: int) -> bool:
@@ -230,10 +240,10 @@ def _allowed(spec: Sequence, role: str | None, roles: tuple[str, ...], n: fx.Nod
                 return False
             if axis_role in ("tp", "sp") and p != Replicate():
                 return False
-            if axis_role == "cp" and p != Shard(1):
+            if axis_role in CP_ROLES and p != Shard(1):
                 return False
         elif role == "param":
-            if axis_role in ("dp", "cp") and p != Replicate():
+            if axis_role in ("dp", *CP_ROLES) and p != Replicate():
                 return False
             if axis_role == "ep" and p != (Shard(0) if ndim == 3 else Replicate()):
                 return False

@@ -3,6 +3,8 @@
     with recording(listener) as rec:   # `autopar plan --profile` / `--progress`, the bench
         ... plan ...
     rec.phases   # phase -> seconds (exclusive: a nested phase's time is not its parent's)
+    rec.cpu      # phase -> CPU seconds of this process, likewise (a loaded machine's
+                 # wall time overstates the work; compare changes by CPU time)
 
 The search marks its phases with `phase(name)` (`PHASES`: capture, strategies, costs, ILP,
 layout search, assembly) and reports each priced layout with `candidate(key, seconds)`.
@@ -25,16 +27,24 @@ PHASES = ("capture", "strategies", "costs", "ILP", "layout search", "assembly")
 class Recording:
     listener: Callable[[Recording, str], None] | None = None
     phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    cpu: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     candidates: int = 0
     best: tuple[str, float] | None = None  # (layout key, step seconds)
     current: str = ""
     started: float = field(default_factory=time.perf_counter)
     ended: float | None = None
-    _stack: list[list] = field(default_factory=list)  # [name, start, time in children]
+    started_cpu: float = field(default_factory=time.process_time)
+    ended_cpu: float | None = None
+    # [name, start, time in children, CPU start, CPU time in children]
+    _stack: list[list] = field(default_factory=list)
 
     @property
     def total(self) -> float:
         return (self.ended or time.perf_counter()) - self.started
+
+    @property
+    def total_cpu(self) -> float:
+        return (self.ended_cpu or time.process_time()) - self.started_cpu
 
     def _notify(self, event: str) -> None:
         if self.listener is not None:
@@ -52,6 +62,7 @@ def recording(listener: Callable[[Recording, str], None] | None = None) -> Itera
         yield rec
     finally:
         rec.ended = time.perf_counter()
+        rec.ended_cpu = time.process_time()
         _active.remove(rec)
 
 
@@ -62,7 +73,7 @@ def phase(name: str) -> Iterator[None]:
         yield
         return
     rec = _active[-1]
-    frame = [name, time.perf_counter(), 0.0]
+    frame = [name, time.perf_counter(), 0.0, time.process_time(), 0.0]
     rec._stack.append(frame)
     outer = rec.current
     rec.current = name
@@ -72,9 +83,12 @@ def phase(name: str) -> Iterator[None]:
     finally:
         rec._stack.pop()
         spent = time.perf_counter() - frame[1]
+        cpu = time.process_time() - frame[3]
         rec.phases[name] = rec.phases.get(name, 0.0) + spent - frame[2]
+        rec.cpu[name] = rec.cpu.get(name, 0.0) + cpu - frame[4]
         if rec._stack:
             rec._stack[-1][2] += spent
+            rec._stack[-1][4] += cpu
         rec.current = outer
 
 
@@ -90,7 +104,9 @@ def candidate(key: str, step_time: float | None) -> None:
 
 
 def format_phases(rec: Recording) -> str:
-    """One line per phase and the total, seconds."""
+    """One line per phase and the total, seconds; then this process's CPU seconds."""
     rows = [f"  {name:<14} {secs:7.2f} s" for name, secs in rec.phases.items()]
     rows.append(f"  {'total':<14} {rec.total:7.2f} s")
+    cpu = ", ".join(f"{name} {rec.cpu.get(name, 0.0):.2f}" for name in rec.phases)
+    rows.append(f"  cpu seconds: {cpu}, total {rec.total_cpu:.2f}")
     return "\n".join(rows)

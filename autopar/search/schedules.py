@@ -9,19 +9,36 @@ one-forward-one-backward, cool-down), for the multi-stage schedules the `pipelin
 of torch's own schedule object (`torch_order`). `replay` list-schedules those orders under
 the dependencies F(s, m) after F(s-1, m) and the backward of (s, m) after F(s, m) and the
 backward of (s+1, m), plus `p2p` seconds per crossing between ranks. Durations are what
-the runtime runs: the zero-bubble schedules' input-gradient action I runs the stage's whole
-backward and their weight-gradient action W is empty (the stage programs do not split the
-backward), and DualPipeV's overlapped forward+backward runs its two halves back to back.
-The result: step time, bubble fraction, and the peak number of microbatches whose
-activations a rank holds at once (the in-flight memory multiplier).
+the runtime runs (`runtime.zero_bubble`): the zero-bubble schedules' input-gradient action
+I runs the part of the stage's backward that the input gradients depend on and the
+weight-gradient action W the rest, the weight gradients' matmuls (`wgrad` seconds of the
+backward `b`: I = b - wgrad, W = wgrad). The first stage's inputs (the batch) take no
+gradient, so its I is empty and its W runs its whole backward. A full backward B (the other
+schedules, and DualPipeV's overlapped forward+backward, whose two halves torch runs back to
+back) runs both at once.
+The result: step time, bubble fraction, and the peak activations a rank holds at once, in
+microbatches (the in-flight memory multiplier): a microbatch's forward adds 1, its backward
+B subtracts 1; between its I and W a fraction `stash` of it stays (what the W half reads:
+the weight matmuls' inputs and output gradients; the first stage keeps all of it).
+
+`weight_gradient_work(ctx, node, strategy) -> (seconds, bytes)`: what one node adds to its
+stage's W: a matmul with a weight operand computes its weight gradient there (a matmul as
+long as its forward) and holds its activation input and its output's gradient until then
+(`weight_gradient_reads`; `search.peak` sizes the same values with the plan's specs).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch.fx as fx
+
 from autopar._compat import pipeline_order
+from autopar.capture.operands import Operand
+from autopar.cost_models import compute
+from autopar.cost_models.memory import activation_bytes
 from autopar.plan import SCHEDULES, V_SHAPED, stage_ranks
 
 
@@ -29,7 +46,7 @@ from autopar.plan import SCHEDULES, V_SHAPED, stage_ranks
 class Timeline:
     step_time: float
     bubble: float  # idle fraction of the busiest rank
-    in_flight: tuple[int, ...]  # per rank: peak microbatches with saved activations
+    in_flight: tuple[float, ...]  # per rank: peak microbatches of saved activations
     rows: tuple[str, ...]  # text timeline per rank
 
 
@@ -82,17 +99,51 @@ TORCH_CLASSES = {
 }
 
 
+def weight_gradient_reads(
+    n: fx.Node, operands: list[tuple[int, Operand]], is_weight: Callable[[fx.Node], bool]
+) -> list[tuple[int, Operand]]:
+    """The activation operands (position, operand) that `n`'s weight gradient reads at W:
+    those of a matmul reading a weight and an activation; none for every other node."""
+    if n.op != "call_function" or compute.training_kernels(n) != 3:
+        return []
+    acts = [(p, op) for p, op in operands if not is_weight(op.producer)]
+    return acts if len(acts) < len(operands) else []
+
+
+def weight_gradient_work(ctx, n: fx.Node, s) -> tuple[float, float]:
+    """(seconds, bytes) node `n` under strategy `s` adds to its stage's W action (module
+    docstring), priced with a `search.costs` context: the weight-gradient matmul costs its
+    forward, and the activation (as `s` reads it) and the output gradient are held."""
+    acts = weight_gradient_reads(n, ctx.operands(n), ctx.is_weight)
+    if not acts:
+        return 0.0, 0.0
+    held = [(op.tensor, s.inputs[pos]) for pos, op in acts] + [(n.meta["val"], s.outputs[0])]
+    nbytes = sum(
+        activation_bytes(t.shape, t.element_size(), spec, ctx.mesh_shape) for t, spec in held
+    )
+    return ctx.forward_time(n, s), float(nbytes)
+
+
 def simulate(
-    schedule: str, fwd: list[float], bwd: list[float], microbatches: int, pp: int, p2p: float = 0.0
+    schedule: str,
+    fwd: list[float],
+    bwd: list[float],
+    microbatches: int,
+    pp: int,
+    p2p: float = 0.0,
+    wgrad: list[float] | None = None,
+    stash: list[float] | None = None,
 ) -> Timeline:
-    """List-schedule the actions; `fwd`/`bwd`: per stage, seconds per microbatch."""
+    """List-schedule the actions; `fwd`/`bwd`: per stage, seconds per microbatch; `wgrad`:
+    the part of `bwd` a zero-bubble schedule runs at W (default none); `stash`: the
+    fraction of a microbatch's activations held from I to W (default 1)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule '{schedule}'; choose from {sorted(SCHEDULES)}")
     if SCHEDULES[schedule] == 1:
         orders = [[(k, s, i) for k, s, i in o] for o in _orders(schedule, pp, microbatches)]
     else:
         orders = [[a for step in o for a in step] for o in torch_order(schedule, pp, microbatches)]
-    return replay(orders, fwd, bwd, stage_ranks(schedule, pp), p2p, schedule)
+    return replay(orders, fwd, bwd, stage_ranks(schedule, pp), p2p, schedule, wgrad, stash)
 
 
 def torch_order(schedule: str, pp: int, microbatches: int) -> list[list[tuple]]:
@@ -122,18 +173,23 @@ def replay(
     owner: list[int],
     p2p: float = 0.0,
     schedule: str = "",
+    wgrad: list[float] | None = None,
+    stash: list[float] | None = None,
 ) -> Timeline:
     """Each rank runs its actions in order, each starting once the rank is free and its
     inputs exist (F(s, m) after F(s-1, m); the backward of (s, m) after F(s, m) and the
     backward of (s+1, m); W after I), plus `p2p` per crossing between ranks. Durations as
-    the runtime runs them: F = fwd, B = bwd, and for the zero-bubble actions I = bwd (a
-    stage program's backward yields input and weight gradients together, so the input
-    action runs it whole) and W = 0. Activations are held from F until the backward."""
+    the runtime runs them (module docstring): F = fwd, B = bwd, I = bwd - wgrad, W = wgrad
+    (stage 0: I = 0, W = bwd). Activations are held from F until B, or until I but for
+    the `stash` fraction held until W."""
     num, pp = len(fwd), len(orders)
-    cost = {"F": fwd, "B": bwd, "I": bwd, "W": [0.0] * num}
+    w = [min(x, b) for x, b in zip(wgrad or [0.0] * num, bwd, strict=True)]
+    keep = list(stash or [1.0] * num)
+    w[0], keep[0] = bwd[0], 1.0  # the batch takes no gradient: the first stage's I is empty
+    cost = {"F": fwd, "B": bwd, "I": [b - x for b, x in zip(bwd, w, strict=True)], "W": w}
     done: dict[tuple[str, int, int], float] = {}
     clock, busy = [0.0] * pp, [0.0] * pp
-    held, peak = [0] * pp, [0] * pp
+    held, peak = [0.0] * pp, [0.0] * pp
     rows: list[list[str]] = [[] for _ in range(pp)]
     at = [0] * pp
     while any(at[r] < len(orders[r]) for r in range(pp)):
@@ -151,7 +207,7 @@ def replay(
                 clock[rank] = start + cost[kind][s]
                 done[("G" if kind in "IB" else kind, s, i)] = clock[rank]
                 busy[rank] += cost[kind][s]
-                held[rank] += {"F": 1, "B": -1, "I": -1, "W": 0}[kind]
+                held[rank] += {"F": 1.0, "B": -1.0, "I": keep[s] - 1.0, "W": -keep[s]}[kind]
                 peak[rank] = max(peak[rank], held[rank])
                 rows[rank].append(f"{kind}{s}.{i}")
                 at[rank] += 1

@@ -1,32 +1,36 @@
 """Predicted step time of a solved (non-pipelined) plan, with the overlap the runtime gets.
 
-`predicted_step_time(captured, result) -> seconds`
+`predicted_step_time(captured, result, comm) -> seconds`
 
-The ILP objective prices every collective as waited at once (conservative: a linear program
-cannot see a schedule). The program `autopar.passes.comm` produces overlaps some of them, and
-this prices that program: the graph is cut into parts in execution order (what precedes the
-first layer, each layer as `capture.analysis.layer_order` lists them, what follows the
-last), and per part
+The ILP objective prices every collective as waited at once, one per tensor (a linear
+program cannot see a schedule): an upper bound. The program `autopar.passes.comm` produces
+with `comm` (`plan.CommPlan`) buckets and overlaps them, and this prices that program: the
+graph is cut into parts in execution order (what precedes the first layer, each layer as
+`capture.analysis.layer_order` lists them, what follows the last), and per part
 
     forward   = sum of its nodes' forward compute (`CostContext.forward_time`)
     backward  = node_cost - forward, plus what recompute runs again
     gather    = its weights' forward reshards, fused into one collective per (kind, mesh axis,
-                dtype) (`fused_time`: the FSDP all-gather, one per layer and phase)
+                dtype) (`fused_time`: the FSDP all-gather, one per layer and phase; one per
+                tensor without bucketing, `collective_times`)
     regather  = the same again in backward when the layer regathers (reshard / full recompute)
     grads     = its weights' gradient reductions (`CostContext.grad_reductions`)
     exposed   = activation reshards, forward and backward (TP collectives, loss reductions):
                 waited at once
 
 go to `cost_models.buckets.overlapped_step` (gradient buckets on one serial channel behind
-the backward, gathers prefetched one layer ahead). A template's layer standing for `w`
-layers (`CostWeights.layer`) appears round(w) times, its times scaled by w / round(w).
-Without any collective the prediction equals the objective (same node prices).
+the backward, gathers prefetched one layer ahead; `comm=None`, no pass: every collective
+waited at once, one per tensor, which is the ILP's objective). A template's layer standing
+for `w` layers (`CostWeights.layer`) appears round(w) times, its times scaled by
+w / round(w). Without any collective the prediction equals the objective (same node
+prices); with collectives it never exceeds it (tests/test_cost_model_invariants.py).
 
-Which is which: the ILP objective (conservative, every collective waited at once, each
-gradient reduction its own collective) is what the search minimizes and what
-`Plan.predicted_step_time` reports; this figure is reported beside it in the plan's search
-info as ``overlapped_step_time`` (`search_plan`, `plan_from_template`; not for pipelines,
-whose step is the schedule simulator's).
+This is the step time of a non-pipelined plan: `IntraOpResult.step_time`, by which the search
+ranks its candidates (`intra_op.solve_intra`) and which `Plan.predicted_step_time` reports;
+the ILP's objective is kept as ``ilp_step_time_bound`` in the plan's search info. Pipelines
+are priced by the schedule simulator (`inter_op`): their stage programs run no
+communication pass, so every collective there is waited at once, as the ILP prices it.
+`program_comm` says which pass a plan's program runs: none where a shard is uneven.
 """
 
 from __future__ import annotations
@@ -35,12 +39,19 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
 from autopar.capture import Captured
 from autopar.capture.analysis import layer_order
 from autopar.capture.export import layer_of
-from autopar.cost_models.buckets import Grad, fused_time, overlapped_step
+from autopar.cost_models.buckets import Grad, collective_times, overlapped_step
+from autopar.passes.strategies.spec import is_valid_spec
+from autopar.plan import DEFAULT_COMM, CommPlan
 
 if TYPE_CHECKING:  # intra_op imports this module
+    import torch.fx as fx
+
+    from autopar.passes.strategies import NodeStrategy
     from autopar.search.intra_op import IntraOpResult
 
 
@@ -56,8 +67,10 @@ class _Part:
     grads: list[Grad] = field(default_factory=list)
 
 
-def predicted_step_time(captured: Captured, result: IntraOpResult) -> float:
-    """Seconds per step of `result`'s plan as the overlapping runtime runs it (module doc)."""
+def predicted_step_time(
+    captured: Captured, result: IntraOpResult, comm: CommPlan | None = DEFAULT_COMM
+) -> float:
+    """Seconds per step of `result`'s plan as the runtime runs it with `comm` (module doc)."""
     names = layer_order(captured)
     index = {name: i + 1 for i, name in enumerate(names)}
     parts = [_Part() for _ in range(len(names) + 2)]
@@ -78,11 +91,10 @@ def predicted_step_time(captured: Captured, result: IntraOpResult) -> float:
     for p in parts:
         copies = max(1, round(p.weight))
         k = p.weight / copies
-        scaled = [(key, kind, axis, b * k) for key, kind, axis, b in p.grads]
-        gather = fused_time([(key, kind, axis, b * k) for key, kind, axis, b in p.gathers], cluster)
-        regather = fused_time(
-            [(key, kind, axis, b * k) for key, kind, axis, b in p.regathers], cluster
-        )
+        scaled = _scaled(p.grads, k)
+        fused = comm is not None and comm.bucket
+        gather = collective_times(_scaled(p.gathers, k), cluster, fused)
+        regather = collective_times(_scaled(p.regathers, k), cluster, fused)
         for _ in range(copies):
             fwd.append(p.forward * k)
             bwd.append(p.backward * k)
@@ -90,7 +102,11 @@ def predicted_step_time(captured: Captured, result: IntraOpResult) -> float:
             reg.append(regather)
             grads.append(scaled)
         exposed += p.exposed * p.weight
-    return overlapped_step(fwd, bwd, gat, reg, grads, cluster, exposed)
+    return overlapped_step(fwd, bwd, gat, reg, grads, cluster, exposed, comm)
+
+
+def _scaled(grads: list[Grad], k: float) -> list[Grad]:
+    return [(key, kind, axis, b * k) for key, kind, axis, b in grads]
 
 
 def _add_node(part: _Part, n, result: IntraOpResult) -> None:
@@ -116,3 +132,26 @@ def _add_node(part: _Part, n, result: IntraOpResult) -> None:
             part.grads += ctx.grad_reductions(op, src, n, s, pos)
         else:
             part.exposed += fwd + bwd + (fwd if full else 0.0)
+
+
+def program_comm(
+    chosen: dict[fx.Node, NodeStrategy], mesh_shape: tuple[int, ...], comm: CommPlan | None
+) -> CommPlan | None:
+    """`comm`, or None (no communication pass) when some tensor of the plan is sharded
+    unevenly. Uneven shards make the per-rank programs differ between peers (DTensor pads
+    and narrows on some ranks only), and the pass's re-ordering (early issue, prefetch,
+    buckets by bytes) of different graphs can issue one group's collectives in different
+    orders on different ranks: a hang. Every collective then runs where it was traced (the
+    same order on every rank), and the step is priced so (every collective waited at
+    once: the ILP objective)."""
+    if comm is None:
+        return None
+    for n, s in chosen.items():
+        vals = n.meta.get("val")
+        vals = vals if isinstance(vals, (tuple, list)) else (vals,)
+        for spec, val in zip(s.outputs, vals, strict=False):
+            if spec is None or not isinstance(val, torch.Tensor):
+                continue
+            if not is_valid_spec(spec, val.shape, mesh_shape, even=True, storage=True):
+                return None
+    return comm

@@ -36,13 +36,12 @@ from autopar.capture.analysis import layer_order
 from autopar.capture.export import layer_of
 from autopar.capture.template import Template
 from autopar.cluster import Cluster
-from autopar.plan import MemoryPlan, Plan
+from autopar.plan import DEFAULT_COMM, MemoryPlan, Plan
 from autopar.search.costs import CostWeights
 from autopar.search.inter_op import PipelineOptions, pipeline_plan, solve_pipeline, stage_cluster
 from autopar.search.intra_op import IntraOpResult, solve_intra
 from autopar.search.pins import SearchOptions
 from autopar.search.progress import phase
-from autopar.search.step import predicted_step_time
 from autopar.search.to_plan import assemble_plan
 
 
@@ -125,8 +124,9 @@ def solve_on_template(
     known = template.solved.get(key)
     if pipeline is None:
         if known is None:
+            weights = CostWeights(layer=template.weights)
             known = solve_intra(
-                template.captured, cluster, mesh, options, CostWeights(layer=template.weights)
+                template.captured, cluster, mesh, options, weights, comm=DEFAULT_COMM
             )
             template.solved[key] = known
         return known
@@ -167,8 +167,8 @@ def plan_from_template(
         return None
     if pipeline is None:
         result = solve_on_template(template, cluster, mesh, options, None)
-        step, peak = result.objective, result.memory
-        extra = {"overlapped_step_time": predicted_step_time(tpl, result)}
+        step, peak = result.step_time, result.memory
+        extra = {"ilp_step_time_bound": result.objective}
     else:
         result, best, schedules = solve_on_template(template, cluster, mesh, options, pipeline)
         step, peak = best.step_time, best.peak_memory
@@ -194,6 +194,7 @@ def plan_from_template(
             info,
             priced=priced,
             memory=memory,
+            comm=result.comm if pipeline is None else None,
         )
         if pipeline is not None:
             plan = replace(plan, pipeline=pipeline_plan(full, cluster, pipeline, best))

@@ -26,7 +26,7 @@ from autopar.capture.export import layer_of
 from autopar.capture.operands import operands, tensor_operands
 from autopar.cluster import Cluster
 from autopar.passes.strategies import NodeStrategy
-from autopar.plan import MemoryPlan, NodePlan, Plan, TensorPlan, spec_str
+from autopar.plan import CommPlan, MemoryPlan, NodePlan, Plan, TensorPlan, spec_str
 from autopar.search.costs import same_spec
 
 
@@ -41,10 +41,13 @@ def assemble_plan(
     *,
     priced: Collection[fx.Node],
     memory: MemoryPlan | None = None,
+    comm: CommPlan | None = None,
 ) -> Plan:
-    """The plan of `chosen`; `priced`: the nodes whose input redistributions the objective
+    """The plan of `chosen`; `step_time`: the step as the program runs it (`search.step`,
+    or a pipeline's schedule); `priced`: the nodes whose input redistributions the objective
     includes (the ILP's decision heads, `IntraOpResult.priced`); `memory`: the levers the
-    search chose (recompute, reshard after forward)."""
+    search chose (recompute, reshard after forward); `comm`: the communication pass
+    `step_time` was priced with (None: none, as pipeline stages run)."""
     nodes = []
     tensors = []
     names = {**captured.params, **captured.buffers}
@@ -77,6 +80,7 @@ def assemble_plan(
         predicted_peak_memory=float(peak_memory),
         solver=solver,
         memory=memory or MemoryPlan(),
+        comm=comm,
     )
 
 

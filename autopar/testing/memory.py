@@ -23,8 +23,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.cli.sources import load_model
+from autopar.devices import free_port, init_rank
 from autopar.runtime.memory_stats import CATEGORIES
-from autopar.testing.parity import _free_port, init_rank, test_backend
+from autopar.testing.parity import shared_capture, test_backend
 from autopar.testing.reference import LR
 
 
@@ -66,7 +67,7 @@ def run_memory(cases: list[MemoryCase], world_size: int) -> list[list[RankMemory
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(
             _worker,
-            args=(world_size, _free_port(), [asdict(c) for c in cases], tmp, backend),
+            args=(world_size, free_port(), [asdict(c) for c in cases], tmp, backend),
             nprocs=world_size,
             join=True,
         )
@@ -91,12 +92,15 @@ def _worker(
     rank: int, world: int, port: int, cases: list[dict], out_dir: str, backend: str = "gloo"
 ) -> None:
     init_rank(rank, world, port, backend)
-    results = []
+    results, captures = [], {}
     try:
         for raw in cases:
             case = _case(raw)
+            fused = dict(case.options).get("fusion", "none") != "none"  # rewrites its graph
+            source = None if fused else (case.sample, case.config, case.batch_size)
             try:
-                results.append(asdict(measure_case(case)))
+                with shared_capture(captures, source):  # cases of one model: one capture
+                    results.append(asdict(measure_case(case)))
             except Exception:
                 results.append(asdict(RankMemory(case.label, rank, error=traceback.format_exc())))
             dist.barrier()

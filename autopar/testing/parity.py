@@ -11,6 +11,11 @@ trains torch's own DDP on the same model and batch: DDP's parameter deviation is
 yardstick for parameters (Adam divides by sqrt(v), so float noise in near-zero gradients
 moves a parameter by up to ~lr per step whatever the parallelization).
 
+Within a worker, cases whose model comes from the same source (sample, config, batch size,
+seed) share one captured graph (`shared_capture`): every case loads an identical model, and
+capture reads only its structure, shapes and dtypes, so capturing it again per case (and per
+rank) would only repeat work. `check` holds a run's results to a `Tolerance`.
+
 Used by the multi-process tests (parity, pipelining, fusion, inductor).
 """
 
@@ -18,21 +23,23 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import datetime
 import json
 import os
-import socket
 import tempfile
 import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autopar import planning
 from autopar.cli.sources import load_model
-from autopar.devices import bind_local_device, choose_backend, process_group_device
+from autopar.devices import choose_backend, free_port, init_rank, process_group_device
 from autopar.plan import MemoryPlan, Plan
 from autopar.testing.reference import LR, train_single_device
 
@@ -99,10 +106,7 @@ class ParityResult:
     error: str | None = None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = free_port  # the older name, kept for the tests and benchmarks that import it
 
 
 def test_backend(world_size: int, gpus: int | None = None) -> str:
@@ -122,7 +126,7 @@ def run_parity(
     rank results merged (worst)."""
     backend = backend or test_backend(world_size)
     with tempfile.TemporaryDirectory() as tmp:
-        port = _free_port()
+        port = free_port()
         mp.spawn(
             _worker,
             args=(world_size, port, [asdict(c) for c in cases], tmp, backend),
@@ -144,22 +148,11 @@ def _merge(results: list[ParityResult]) -> ParityResult:
     return out
 
 
-def init_rank(rank: int, world: int, port: int, backend: str) -> None:
-    """Join the local test job: one thread, this rank's GPU under NCCL, a 5-minute timeout
-    (a rank that fails mid-collective must not leave the others waiting for 30 minutes)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    bind_local_device(backend, rank)  # one GPU per rank under NCCL (all ranks are local)
-    dist.init_process_group(
-        backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
-    )
-
-
 def _worker(
     rank: int, world: int, port: int, cases: list[dict], out_dir: str, backend: str = "gloo"
 ) -> None:
     init_rank(rank, world, port, backend)
-    results = []
+    results, captures, plans = [], {}, {}
     try:
         for raw in cases:
             case = ParityCase(
@@ -174,13 +167,45 @@ def _worker(
                 }
             )
             try:
-                results.append(asdict(run_case(case)))
+                with shared_capture(captures, source_key(case)):
+                    results.append(asdict(run_case(case, plans)))
             except Exception:
                 results.append(asdict(ParityResult(case.label, error=traceback.format_exc())))
             dist.barrier()
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
         dist.destroy_process_group()
+
+
+def source_key(case: ParityCase) -> tuple | None:
+    """What makes two cases' models identical (None: never share its capture; fused cases
+    rewrite their captured graph in place)."""
+    if case.fusion != "none":
+        return None
+    return (case.sample, case.config, case.batch_size, case.seed)
+
+
+@contextmanager
+def shared_capture(cache: dict, source: tuple | None) -> Iterator[None]:
+    """While it is open, `autopar.compile` captures a model from `source` once per batch
+    shapes and dtypes and parameter dtypes (a pipeline captures a microbatch, mixed
+    precision a cast copy) and hands every later call the same `Captured`, which planning
+    and lowering only read. `cache` lives as long as the worker."""
+    if source is None:
+        yield
+        return
+    real = planning.capture
+
+    def capture(model, batch: Sequence[torch.Tensor], loss_fn: Callable | None = None):
+        dtypes = tuple(sorted({str(p.dtype) for p in model.parameters()}))
+        shapes = tuple((tuple(t.shape), t.dtype) for t in batch)
+        key = (source, shapes, dtypes, loss_fn)
+        if key not in cache:
+            cache[key] = real(model, batch, loss_fn)
+        return cache[key]
+
+    with mock.patch.object(planning, "capture", capture):
+        yield
 
 
 def ddp_param_error(model, batch, steps: int, ref_params) -> float:
@@ -280,42 +305,100 @@ def held_mismatches(res: ParityResult) -> list[str]:
     return out
 
 
-def run_case(case: ParityCase) -> ParityResult:
+@dataclass(frozen=True, slots=True)
+class Tolerance:
+    """The largest deviations a case may show: the loss relative to the reference's, a
+    gradient shard relative to max |g_ref| (per parameter and step), a final parameter in
+    absolute terms."""
+
+    loss: float
+    grad: float
+    param: float
+
+    def exceeded(self, res: ParityResult) -> bool:
+        return (
+            res.loss_rel_err > self.loss or res.grad_err > self.grad or res.param_err > self.param
+        )
+
+
+def summary(res: ParityResult) -> str:
+    """One line with a result's deviations (and what else it recorded)."""
+    line = (
+        f"{res.label}: loss {res.loss_rel_err:.1e} grad {res.grad_err:.1e} "
+        f"param {res.param_err:.1e} (ddp {res.ddp_param_err:.1e})"
+    )
+    if res.fp32_loss_rel_err or res.fp32_param_err:
+        line += f"; fp32: loss {res.fp32_loss_rel_err:.1e} param {res.fp32_param_err:.1e}"
+    line += f"; roles {res.roles}"
+    return line + (f"; held {res.held}" if res.held else "")
+
+
+def check(
+    cases: Sequence[ParityCase],
+    results: Sequence[ParityResult],
+    tol: Tolerance | Callable[[ParityCase], Tolerance],
+    more: Callable[[ParityCase, ParityResult], list[str]] | None = None,
+) -> None:
+    """Assert that every case ran and stayed within `tol` (a `Tolerance`, or one per case);
+    `more(case, result)` lists a test's own failures for a case that ran. Prints one
+    `summary` line per case; the assertion lists every failure."""
+    failures = []
+    for case, res in zip(cases, results, strict=True):
+        if res.error:
+            failures.append(f"{res.label}: {res.error}")
+            continue
+        line = summary(res)
+        print(line)
+        if (tol(case) if callable(tol) else tol).exceeded(res):
+            failures.append("tolerance exceeded: " + line)
+        failures += more(case, res) if more is not None else []
+    assert not failures, "\n".join(failures)
+
+
+def _compiled(case: ParityCase, model, batch, plans: dict):
+    """autopar.compile for `case`: searched, or with memory levers the searched plan (its
+    base case's when `plans` has it) with the case's recompute and reshard."""
     import autopar
+
+    cluster = autopar.Cluster.local(mesh=case.mesh, axis_names=case.axis_names)
+    base = dataclasses.replace(case, memory=None)
+    plan = plans.get(base) if case.memory is not None else None
+    if plan is None:
+        pm = autopar.compile(
+            model,
+            batch,
+            cluster=cluster,
+            strategy=case.strategy,
+            optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
+            schedule=case.schedule,
+            microbatches=case.microbatches,
+            fusion=case.fusion,
+            mixed_precision=case.mixed_precision,
+            shard_optimizer=case.shard_optimizer,
+            shard_gradients=case.shard_gradients,
+        )
+        plan = plans[base] = pm.plan
+        if case.memory is None:
+            return pm
+    levers = {"recompute": case.memory.recompute}
+    levers["reshard_after_forward"] = case.memory.reshard_after_forward
+    plan = dataclasses.replace(plan, memory=dataclasses.replace(plan.memory, **levers))
+    return autopar.compile(
+        model, batch, cluster=cluster, plan=plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR)
+    )
+
+
+def run_case(case: ParityCase, plans: dict | None = None) -> ParityResult:
+    """Train `case` on this rank against the single-device reference and DDP. `plans`
+    (per worker) keeps each searched plan by its case without memory levers: a case with
+    levers reuses its base case's plan (the same search) instead of searching it again."""
     from autopar.plan import parse_spec
     from autopar.runtime.shards import local_chunk
     from autopar.views import axis_roles
 
     model, batch = load_model(case.sample, case.config, case.batch_size, seed=case.seed)
     ref = train_single_device(model, batch, case.steps, mixed_precision=case.mixed_precision)
-    cluster = autopar.Cluster.local(mesh=case.mesh, axis_names=case.axis_names)
-    pm = autopar.compile(
-        model,
-        batch,
-        cluster=cluster,
-        strategy=case.strategy,
-        optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
-        schedule=case.schedule,
-        microbatches=case.microbatches,
-        fusion=case.fusion,
-        mixed_precision=case.mixed_precision,
-        shard_optimizer=case.shard_optimizer,
-        shard_gradients=case.shard_gradients,
-    )
-    if case.memory is not None:  # the searched plan with the case's recompute and reshard
-        memory = dataclasses.replace(
-            pm.plan.memory,
-            recompute=case.memory.recompute,
-            reshard_after_forward=case.memory.reshard_after_forward,
-        )
-        plan = dataclasses.replace(pm.plan, memory=memory)
-        pm = autopar.compile(
-            model,
-            batch,
-            cluster=cluster,
-            plan=plan,
-            optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
-        )
+    pm = _compiled(case, model, batch, {} if plans is None else plans)
     res = ParityResult(
         case.label,
         ref_losses=ref.losses,

@@ -17,12 +17,16 @@ Axis roles are derived from placements, never stored: on each mesh axis,
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import asdict
 
+import torch
 from torch.distributed.tensor import Shard
 
+from autopar.cost_models.memory import local_numel
+from autopar.cost_models.ring import ring_traffic_bytes
 from autopar.passes.strategies.rules.sequence import is_norm, seq_sharded
 from autopar.plan import NodePlan, Plan, parse_spec
-from autopar.views.layers import axis_traffic, fmt_bytes
+from autopar.views.layers import axis_traffic, fmt_bytes, producers
 
 
 def axis_roles(plan: Plan) -> list[str]:
@@ -60,6 +64,35 @@ def context_parallel_attention(plan: Plan, axis: int) -> list[NodePlan]:
         and n.inputs[0]
         and n.inputs[0].split(",")[axis] == "S(2)"
     ]
+
+
+def ring_attention(plan: Plan, axis: int) -> list[NodePlan]:
+    """Context-parallel attention nodes on `axis` that run as a ring (K split on the
+    sequence too, `rules.ring`), not with all-gathered K/V."""
+    return [
+        n
+        for n in context_parallel_attention(plan, axis)
+        if len(n.inputs) > 1 and n.inputs[1] and n.inputs[1].split(",")[axis] == "S(2)"
+    ]
+
+
+def ring_traffic(plan: Plan, axis: int) -> tuple[float, float]:
+    """(forward, backward) bytes a rank passes around the ring on `axis` per step: every
+    ring attention's local K and V blocks, (n - 1) passes forward and 2n - 1 backward
+    (`cost_models.ring`)."""
+    produced, mesh = producers(plan), plan.stage_mesh_shape
+    fwd = bwd = 0.0
+    for n in ring_attention(plan, axis):
+        kv = 0.0
+        for arg, spec in zip(n.args[1:3], n.inputs[1:3], strict=False):
+            src = produced.get(arg)
+            if src is None or src.shape is None or src.dtype is None or spec is None:
+                continue
+            itemsize = getattr(torch, src.dtype).itemsize
+            kv += local_numel(src.shape, parse_spec(spec), mesh) * itemsize
+        f, b = ring_traffic_bytes(mesh[axis], kv)
+        fwd, bwd = fwd + f, bwd + b
+    return fwd, bwd
 
 
 def _base_role(plan: Plan, axis: int) -> str:
@@ -111,6 +144,8 @@ def describe(plan: Plan) -> dict:
         "content_hash": plan.content_hash,
         "stages": _stages(plan, roles),
         "predicted_step_time": plan.predicted_step_time,
+        "ilp_step_time_bound": plan.solver.get("ilp_step_time_bound"),
+        "comm": None if plan.comm is None else asdict(plan.comm),
         "predicted_peak_memory": plan.predicted_peak_memory,
         "parameters": {t.fqn: t.spec for t in plan.tensors if t.kind == "param"},
         "inputs": {t.fqn: t.spec for t in plan.tensors if t.kind == "input"},
@@ -151,6 +186,11 @@ def _stages(plan: Plan, roles: dict[str, str]) -> list[dict]:
     ]
 
 
+def _bound(plan: Plan) -> str:
+    bound = plan.solver.get("ilp_step_time_bound")
+    return "" if bound is None else f" (ILP bound {bound * 1e3:.3f} ms)"
+
+
 def summary(plan: Plan) -> str:
     d = describe(plan)
     stage = d["stages"][0]
@@ -159,7 +199,7 @@ def summary(plan: Plan) -> str:
         f"(strategy={d['strategy']})",
         f"{'stage ' if plan.pipeline else ''}mesh {tuple(stage['mesh'])} axes "
         + ", ".join(f"{a}={r}" for a, r in stage["axis_roles"].items()),
-        f"predicted step time {plan.predicted_step_time * 1e3:.3f} ms, "
+        f"predicted step time {plan.predicted_step_time * 1e3:.3f} ms{_bound(plan)}, "
         f"peak memory {plan.predicted_peak_memory / 2**30:.3f} GiB per device",
         "parameter placements: "
         + ", ".join(f"{spec}×{n}" for spec, n in Counter(d["parameters"].values()).most_common()),
@@ -181,7 +221,8 @@ def summary(plan: Plan) -> str:
 
 def parallelism_lines(plan: Plan) -> list[str]:
     """One line per axis that splits the sequence or the experts: sequence-parallel norms
-    (SP), context-parallel attention (CP, K/V all-gathered), expert-parallel weights (EP),
+    (SP), context-parallel attention (CP: K/V all-gathered, or a ring with its K/V passes
+    per step), expert-parallel weights (EP),
     and the collectives on that axis per step (forward edges; backward runs their
     transposes: all-gather <-> reduce-scatter, all-to-all back)."""
     lines = []
@@ -193,8 +234,15 @@ def parallelism_lines(plan: Plan) -> list[str]:
         norms, attn = seq_sharded_norms(plan, axis), context_parallel_attention(plan, axis)
         experts = expert_sharded(plan, axis)
         parts = [f"SP norms {len(norms)}/{norms_total}"] if norms else []
-        if attn:
-            parts.append(f"CP attention {len(attn)}/{attn_total} (K/V all-gathered)")
+        ring = ring_attention(plan, axis)
+        if len(attn) > len(ring):
+            parts.append(f"CP attention {len(attn) - len(ring)}/{attn_total} (K/V all-gathered)")
+        if ring:
+            fwd, bwd = ring_traffic(plan, axis)
+            parts.append(
+                f"CP ring attention {len(ring)}/{attn_total} (K/V passes per step "
+                f"{fmt_bytes(fwd)} forward, {fmt_bytes(bwd)} backward)"
+            )
         if experts:
             parts.append(f"EP expert weights {len(experts)}/{experts_total}")
         if not parts:

@@ -63,7 +63,7 @@ def header_table(plan: Plan) -> Table:
         "links": ", ".join(
             f"{n}: {lk}" for n, lk in zip(plan.axis_names, cluster.links, strict=True)
         ),
-        "step time": f"{plan.predicted_step_time * 1e3:.3f} ms (predicted)",
+        "step time": step_text(plan),
         "peak memory": f"{fmt_bytes(peak)} per device (predicted, "
         f"{100 * peak / cluster.device.memory_bytes:.1f}% of "
         f"{cluster.device.memory_bytes / _GiB:.0f} GiB)",
@@ -106,6 +106,24 @@ def _microbatch_rows(plan: Plan) -> str:
     """The rows of one microbatch (the captured batch is one microbatch when pipelining)."""
     inputs = [t for t in plan.tensors if t.kind == "input" and t.shape]
     return f" × {inputs[0].shape[0]} rows" if inputs else ""
+
+
+def step_text(plan: Plan) -> str:
+    """The predicted step, what the program does with its collectives, and the ILP's bound."""
+    c, bound = plan.comm, plan.solver.get("ilp_step_time_bound")
+    if plan.pipeline is not None:
+        how = "pipeline schedule"
+    elif c is None:
+        how = "collectives waited at once"
+    else:
+        buckets = (
+            f"buckets {c.first_bucket_bytes / 2**20:g}/{c.bucket_bytes / 2**20:g} MiB"
+            if c.bucket
+            else "one collective per tensor"
+        )
+        how = f"{buckets}, {'overlapped' if c.overlap else 'waited at once'}"
+    extra = "" if bound is None else f"; ILP bound {bound * 1e3:.3f} ms"
+    return f"{plan.predicted_step_time * 1e3:.3f} ms (predicted: {how}{extra})"
 
 
 def _solver_text(s: dict) -> str:

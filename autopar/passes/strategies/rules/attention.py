@@ -22,10 +22,19 @@ mesh axis one of three rules holds:
   (forward and backward) with ``is_causal=False`` and the additive mask
   ``-inf * [key > o + row]``, which is exactly causal attention of those rows.
 
+* sequence (context parallel, ring): ``Shard(2)`` on q, k, v, the output, the logsumexp
+  and every gradient, on exactly one axis (and q split on the sequence there only), self
+  attention (``T == S``) without a mask: :mod:`.ring` passes the K/V blocks around that
+  axis with an online-softmax merge, forward and backward (dK/dV travel back to their
+  owners), skipping wholly masked causal blocks. No K/V all-gather and no reduce-scatter
+  (the node's edges move nothing); the ring's own traffic is priced in the node
+  (``cost_models.ring``: :func:`ring_axis`, :func:`ring_kv_bytes`), its causal imbalance by
+  :func:`work_factor`. The search chooses between it and the all-gathered variant by cost
+  (ring: less memory, per-step passes that overlap the kernels; all-gather: one collective).
+
 An attention mask follows the batch or head split on the dim where it is not broadcast
-(size > 1), and is replicated otherwise; with the sequence split it follows q's rows.
-Ring attention (K/V blocks passed around the axis with an online-softmax merge) is not
-offered: all-gathered K/V holds the full K/V of one layer at a time.
+(size > 1), and is replicated otherwise; with the all-gather sequence split it follows
+q's rows.
 
 ``aten.scaled_dot_product_attention.default`` is kept whole in the captured graph, so the
 search sees :func:`sdpa_rule`. Eager DTensor programs on CPU reach the fused kernels
@@ -58,6 +67,7 @@ from autopar._compat import (
 )
 from autopar.passes.strategies.from_dtensor import expand_per_axis
 from autopar.passes.strategies.rules import register_rule
+from autopar.passes.strategies.rules.ring import Ring, ring_backward, ring_forward
 from autopar.passes.strategies.spec import NodeStrategy
 
 aten = torch.ops.aten
@@ -90,6 +100,21 @@ def seq_rule(roles: Sequence[str], mask_shape: Sequence[int] | None) -> list[Pla
     return rule
 
 
+def ring_rule(n: int) -> list[Placement]:
+    """The ring rule on ``n`` entries (outputs and inputs): everything ``Shard(2)``."""
+    return [Shard(SEQ)] * n
+
+
+def _seq_axes(spec: Sequence[Placement] | None) -> tuple[int, ...]:
+    return tuple(a for a, p in enumerate(spec or ()) if p == Shard(SEQ))
+
+
+def valid_ring(q: Sequence[Placement] | None, k: Sequence[Placement] | None) -> bool:
+    """K/V split on the sequence (ring) on at most one axis, q on the sequence there only."""
+    ring = _seq_axes(k)
+    return not ring or (len(ring) == 1 and _seq_axes(q) == ring)
+
+
 def axis_rules(
     n_out: int, n_qkv_like: int, mask_shape: Sequence[int] | None
 ) -> list[list[Placement]]:
@@ -115,20 +140,55 @@ def sdpa_rule(node: fx.Node, mesh: DeviceMesh) -> list[NodeStrategy]:
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     mask_shape = mask.meta["val"].shape if isinstance(mask, fx.Node) else None
     rules = [*axis_rules(1, 3, mask_shape), seq_rule((Q, Q, KV, KV), mask_shape)]
-    return expand_per_axis(node, rules, 1, mesh)
+    q, k = (a.meta["val"] for a in node.args[:2])
+    if mask_shape is None and q.shape[SEQ] == k.shape[SEQ]:
+        rules.append(ring_rule(4))
+    found = expand_per_axis(node, rules, 1, mesh)
+    return [s for s in found if valid_ring(s.inputs[0], s.inputs[1])]
 
 
-def work_factor(node: fx.Node, strategy: NodeStrategy) -> float:
+def ring_axis(node: fx.Node, strategy: NodeStrategy) -> int | None:
+    """The mesh axis of ``strategy``'s ring (K split on the sequence), None if none."""
+    if node.target != aten.scaled_dot_product_attention.default or len(strategy.inputs) < 2:
+        return None
+    axes = _seq_axes(strategy.inputs[1])
+    return axes[0] if axes else None
+
+
+def ring_kv_bytes(node: fx.Node, strategy: NodeStrategy, mesh_shape: Sequence[int]) -> float:
+    """Bytes of one rank's K and V blocks under a ring ``strategy`` (one pass of the ring):
+    the largest local shard of each, every axis's split applied."""
+    total = 0.0
+    for arg, spec in zip(node.args[1:3], strategy.inputs[1:3], strict=True):
+        val = arg.meta["val"]
+        numel = val.numel()
+        for axis, p in enumerate(spec or ()):
+            if isinstance(p, Shard):
+                numel *= -(-val.shape[p.dim] // mesh_shape[axis]) / max(val.shape[p.dim], 1)
+        total += numel * val.element_size()
+    return total
+
+
+def work_factor(
+    node: fx.Node, strategy: NodeStrategy, mesh_shape: Sequence[int] | None = None
+) -> float:
     """How much more work than its share a rank does under ``strategy`` (the cost model
-    divides a node's FLOPs, causal attention's already halved, by the split): 2 for causal
-    attention with the sequence split, whose offset mask makes the kernel compute every
-    block of its rows (no block is wholly masked, so none is skipped); 1 otherwise."""
+    divides a node's FLOPs, causal attention's already halved, by the split), for causal
+    attention with the sequence split: 2 with all-gathered K/V, whose offset mask makes the
+    kernel compute every block of its rows (none is wholly masked, so none is skipped);
+    ``(2n - 1) / n`` on a ring of ``n`` (:mod:`.ring`: the last rank computes ``n - 1/2``
+    blocks of an even ``n / 2``; ``mesh_shape`` gives ``n``, 2 without it). 1 otherwise."""
     if node.target != aten.scaled_dot_product_attention.default:
         return 1.0
     causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
     out = strategy.outputs[0] if strategy.outputs else None
-    seq = out is not None and any(p == Shard(SEQ) for p in out)
-    return 2.0 if causal and seq else 1.0
+    if not (causal and out is not None and any(p == Shard(SEQ) for p in out)):
+        return 1.0
+    axis = ring_axis(node, strategy)
+    if axis is None or mesh_shape is None:
+        return 2.0
+    n = mesh_shape[axis]
+    return (2 * n - 1) / n
 
 
 def _mask_shape(op_schema: OpSchema) -> Sequence[int] | None:
@@ -136,12 +196,26 @@ def _mask_shape(op_schema: OpSchema) -> Sequence[int] | None:
     return mask.shape if isinstance(mask, OpStrategy) else None
 
 
+def _keep_valid_rings(strategy: OpStrategy, q_index: int) -> OpStrategy:
+    """Drop the expanded strategies whose ring is not :func:`valid_ring`."""
+    strategy.strategies = [
+        s
+        for s in strategy.strategies
+        if s.input_specs is None
+        or valid_ring(s.input_specs[q_index].placements, s.input_specs[q_index + 1].placements)
+    ]
+    return strategy
+
+
 def flash_cpu_strategy(op_schema: OpSchema) -> OpStrategy:
     """DTensor strategy for the CPU flash forward: (out, logsumexp) from (q, k, v[, mask])."""
     mask = _mask_shape(op_schema)
     rules = [*axis_rules(2, 3, mask), seq_rule((Q, Q, Q, KV, KV), mask)]
+    if mask is None:
+        rules.append(ring_rule(5))
     mesh = op_schema.get_mesh_from_args()
-    return expand_to_full_mesh_op_strategy(mesh, op_schema, rules, input_index=2)  # type: ignore[arg-type]
+    found = expand_to_full_mesh_op_strategy(mesh, op_schema, rules, input_index=2)  # type: ignore[arg-type]
+    return _keep_valid_rings(found, 0)
 
 
 def flash_cpu_backward_strategy(op_schema: OpSchema) -> OpStrategy:
@@ -150,8 +224,11 @@ def flash_cpu_backward_strategy(op_schema: OpSchema) -> OpStrategy:
     mask = _mask_shape(op_schema)
     roles = (Q, GRAD_KV, GRAD_KV, Q, Q, KV, KV, Q, Q)  # (dq, dk, dv, dout, q, k, v, out, lse)
     rules = [*axis_rules(3, 6, mask), seq_rule(roles, mask)]
+    if mask is None:
+        rules.append(ring_rule(9))
     mesh = op_schema.get_mesh_from_args(validate=False)
-    return expand_to_full_mesh_op_strategy(mesh, op_schema, rules, input_index=3)  # type: ignore[arg-type]
+    found = expand_to_full_mesh_op_strategy(mesh, op_schema, rules, input_index=3)  # type: ignore[arg-type]
+    return _keep_valid_rings(found, 1)
 
 
 def _causal_flag(op_call: OpOverload, args: tuple, kwargs: dict) -> tuple[int, bool]:
@@ -177,11 +254,31 @@ def _seq_offset(spec) -> int:
     return offset
 
 
-def flash_cpu_handler(op_call: OpOverload, args: tuple, kwargs: dict) -> object:
-    """DTensor dispatch of the CPU flash kernels; a causal call on a sequence-sharded query
-    runs with the query shard's offset causal mask (module docstring)."""
+def _ring_call(op_call: OpOverload, local_args: tuple, local_kwargs: dict, k_spec) -> object:
+    """The local ring attention (:mod:`.ring`) of a CPU flash kernel whose K is split on
+    the sequence on one axis of ``k_spec``'s mesh."""
+    (axis,) = _seq_axes(k_spec.placements)
+    mesh = k_spec.mesh
+    ring = Ring(mesh.get_local_rank(axis), mesh.size(axis), mesh.get_group(axis).group_name)
+    _, causal = _causal_flag(op_call, local_args, local_kwargs)
+    assert local_kwargs.get("attn_mask") is None, "ring attention takes no mask"
+    dropout_pos = 3 if op_call is FLASH_CPU else 6
+    assert len(local_args) <= dropout_pos or not local_args[dropout_pos], "ring: no dropout"
+    scale = local_kwargs.get("scale")
+    if op_call is FLASH_CPU:
+        return ring_forward(op_call, *local_args[:3], causal, scale, ring)
+    return ring_backward(op_call, *local_args[:6], causal, scale, ring)
 
-    def local(local_args: tuple, local_kwargs: dict, out_spec) -> object:
+
+def flash_cpu_handler(op_call: OpOverload, args: tuple, kwargs: dict) -> object:
+    """DTensor dispatch of the CPU flash kernels; a call with K split on the sequence runs
+    ring attention, a causal call on a sequence-sharded query against full K/V runs with
+    the query shard's offset causal mask (module docstring)."""
+
+    def local(local_args: tuple, local_kwargs: dict, out_spec, in_specs) -> object:
+        k_spec = in_specs[1 if op_call is FLASH_CPU else 2]
+        if _seq_axes(k_spec.placements):
+            return _ring_call(op_call, local_args, local_kwargs, k_spec)
         pos, causal = _causal_flag(op_call, local_args, local_kwargs)
         q_spec = out_spec[0]  # the output (forward) / dq (backward) is laid out like q
         if not (causal and any(p == Shard(SEQ) for p in q_spec.placements)):
