@@ -422,28 +422,29 @@ def test_fused_strategies_numerically(
 @pytest.mark.multiproc
 def test_fused_models_train_like_single_device_under_tp_dp() -> None:
     """GPT and Llama with Triton kernels (interpreted on CPU) on 4 gloo ranks, dp x tp."""
-    from autopar.testing.parity import LR, ParityCase, run_parity
+    from autopar.testing.parity import (
+        LR,
+        ParityCase,
+        ParityResult,
+        Tolerance,
+        check,
+        run_parity,
+    )
 
     cases = [
         ParityCase(name, (2, 2), ("dp", "tp"), ("dp", "tp"), fusion="triton")
         for name in ("gpt", "llama")
     ]
-    failures = []
     head = {"linear_cross_entropy": 1}  # rows on dp, hidden and weight gathered on tp
     fused = {
         "gpt": {"add_layer_norm": 4, "bias_gelu": 2, **head},
         "llama": {"add_rms_norm": 4, "swiglu": 2, **head},
     }
-    for case, res in zip(cases, run_parity(cases, 4), strict=True):
+
+    def fused_as_expected(case: ParityCase, res: ParityResult) -> list[str]:
         if collections.Counter(res.fusion) != fused[case.sample]:  # final norms included
-            failures.append(f"{res.label}: fused {res.fusion}")
-        line = (
-            f"{res.label}: loss {res.loss_rel_err:.1e} grad {res.grad_err:.1e} "
-            f"param {res.param_err:.1e}"
-        )
-        print(line)
-        if res.error:
-            failures.append(f"{res.label}: {res.error}")
-        elif res.loss_rel_err > 1e-5 or res.grad_err > 1e-4 or res.param_err > LR * 3:
-            failures.append("tolerance exceeded: " + line)
-    assert not failures, "\n".join(failures)
+            return [f"{res.label}: fused {res.fusion}"]
+        return []
+
+    tol = Tolerance(loss=1e-5, grad=1e-4, param=LR * 3)
+    check(cases, run_parity(cases, 4), tol, fused_as_expected)

@@ -28,12 +28,13 @@ import torch
 import autopar
 from autopar.cluster import Cluster
 from autopar.plan import MemoryPlan
-from autopar.testing.parity import LR, ParityCase, run_parity
+from autopar.testing.parity import LR, ParityCase, ParityResult, Tolerance, check, run_parity
 from autopar.views import axis_roles, summary
 from autopar.views.describe import seq_sharded_norms
 from samples.llama import Llama, LlamaConfig, example_batch
 
 WORLD, STEPS = 4, 3
+TOL = Tolerance(loss=1e-5, grad=1e-5, param=LR * STEPS)  # test_parity's
 
 ENCODER = "tests/test_context_parallel.py:build_encoder"
 MIXED = "tiny-mixed"  # a non-causal then a causal block: both ring paths in one case
@@ -74,22 +75,14 @@ def test_long_sequence_tp8_shards_every_norm_on_the_sequence() -> None:
 @pytest.mark.multiproc
 def test_sequence_context_and_expert_parallel_match_single_device() -> None:
     cases = list(CASES)
-    results = run_parity(cases, WORLD)
+    check(cases, run_parity(cases, WORLD), TOL, _expected_roles)
+
+
+def _expected_roles(case: ParityCase, res: ParityResult) -> list[str]:
     failures = []
-    for case, res in zip(cases, results, strict=True):
-        if res.error:
-            failures.append(f"{res.label}: {res.error}")
-            continue
-        line = (
-            f"{res.label}: loss {res.loss_rel_err:.1e} grad {res.grad_err:.1e} "
-            f"param {res.param_err:.1e} roles {res.roles}"
-        )
-        print(line)
-        if res.loss_rel_err > 1e-5 or res.grad_err > 1e-5 or res.param_err > LR * STEPS:
-            failures.append("tolerance exceeded: " + line)
-        axis, role = case.axis_names[-1], CASES[case]
-        if res.roles[axis] != role:
-            failures.append(f"{res.label}: axis {axis} plays {res.roles[axis]}, not {role}")
-        if "ep" in case.axis_names and res.roles["ep"] != "dp+ep":
-            failures.append(f"{res.label}: axis ep plays {res.roles['ep']}, not dp+ep")
-    assert not failures, "\n".join(failures)
+    axis, role = case.axis_names[-1], CASES[case]
+    if res.roles[axis] != role:
+        failures.append(f"{res.label}: axis {axis} plays {res.roles[axis]}, not {role}")
+    if "ep" in case.axis_names and res.roles["ep"] != "dp+ep":
+        failures.append(f"{res.label}: axis ep plays {res.roles['ep']}, not dp+ep")
+    return failures

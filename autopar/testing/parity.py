@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import faulthandler
 import json
 import os
 import tempfile
@@ -41,7 +42,7 @@ from autopar import planning
 from autopar.cli.sources import load_model
 from autopar.devices import choose_backend, free_port, init_rank, process_group_device
 from autopar.plan import MemoryPlan, Plan
-from autopar.testing.reference import LR, train_single_device
+from autopar.testing.reference import LR, grads_at, train_single_device
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,7 @@ def _merge(results: list[ParityResult]) -> ParityResult:
 def _worker(
     rank: int, world: int, port: int, cases: list[dict], out_dir: str, backend: str = "gloo"
 ) -> None:
+    faulthandler.enable()  # a native crash on a rank prints every thread's Python stack
     init_rank(rank, world, port, backend)
     results, captures, plans = [], {}, {}
     try:
@@ -409,15 +411,28 @@ def run_case(case: ParityCase, plans: dict | None = None) -> ParityResult:
     )
     specs = {t.fqn: parse_spec(t.spec) for t in pm.plan.tensors if t.kind == "param"}
     for step in range(case.steps):
+        ref_grads = ref.grads[step]
+        if step and case.mixed_precision != "fp16":
+            # Later steps' gradients are compared at the run's own weights: after an AdamW
+            # step, float noise in near-zero gradients moves weights by up to ~lr under any
+            # parallelization (test_parity's yardstick), and gradients at weights that moved
+            # differ from the reference trajectory's by more than the gradient tolerance.
+            # (fp16: the loss scale's history decides the reference's gradients; kept.)
+            here = {k: v.cpu() for k, v in pm.full_state_dict().items()}
+            ref_grads = grads_at(model, batch, here, case.mixed_precision)
         loss = float(pm.forward_backward(*batch))
         res.losses.append(loss)
         for fqn, grad in pm.local_grads().items():
-            full_ref = ref.grads[step][fqn]
+            full_ref = ref_grads[fqn]
             if hasattr(pm, "expected_grad"):  # ZeRO: the flat shard this rank holds
                 want = pm.expected_grad(fqn, full_ref)
             else:
                 want = local_chunk(full_ref, specs[fqn], pm.mesh)
             if not want.isfinite().all():  # fp16: a step the loss scaler skips
+                continue
+            if want.numel() == 0:  # an empty shard (3 rows over 4 ranks: 1, 1, 1, 0)
+                if grad.numel():
+                    raise ValueError(f"{fqn}: a gradient of {tuple(grad.shape)} for an empty shard")
                 continue
             err = (grad - want.to(grad.device)).abs().max().item()
             res.grad_abs_err = max(res.grad_abs_err, err)

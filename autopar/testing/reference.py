@@ -57,6 +57,29 @@ def train_single_device(
     return Reference(losses, per_step, state)
 
 
+def grads_at(
+    model: nn.Module,
+    batch: Sequence[torch.Tensor],
+    state: dict[str, torch.Tensor],
+    mixed_precision: str | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every parameter's single-device gradient on `batch` with `model`'s weights replaced by
+    `state` (a state_dict): what a parallel run's gradients must equal at its own current
+    weights. The random number stream is left as it was (a dropout mask drawn here is the
+    one the parallel run draws next)."""
+    model = copy.deepcopy(model)
+    device = _device_of(model)
+    # non-persistent buffers (RoPE tables) are in a full state but not in a state_dict
+    model.load_state_dict({k: state[k].to(device) for k in model.state_dict() if k in state})
+    with torch.random.fork_rng(devices=[]):
+        _loss_and_grads(model, batch, mixed_precision, 1.0)
+    return {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 FP16_SCALE = 2.0**15
 
