@@ -22,7 +22,7 @@ from torch import nn
 from autopar.cluster import Cluster
 from autopar.options import PlanOptions
 from autopar.plan import Plan
-from autopar.planning import plan_for_ranks, plan_model
+from autopar.planning import plan_for_ranks, plan_model, smaller_microbatch
 from autopar.runtime.parallel_model import OptimizerFactory, ParallelModel
 from autopar.runtime.pipeline_model import PipelineModel
 
@@ -113,7 +113,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
                 "stages do not write back yet. Fix: plan without pipeline stages "
                 "(pipeline_stages=1), or use LayerNorm / eval-mode BatchNorm."
             )
-        return PipelineModel(model, captured, plan, mesh, optimizer)
+        smaller = smaller_microbatch(model, example_inputs, loss_fn, options, plan)
+        return PipelineModel(model, captured, plan, mesh, optimizer, smaller)
     return ParallelModel(model, captured, plan, mesh, optimizer)
 
 

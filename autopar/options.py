@@ -181,8 +181,9 @@ class PlanOptions:
             )
         if self.microbatches is not None and not _count(self.microbatches):
             raise ValueError(
-                f"microbatches={self.microbatches!r}: give a count >= 1 (a divisor of the "
-                "batch), or None for the default"
+                f"microbatches={self.microbatches!r}: give a count >= 1 (at most the "
+                "batch's rows; one that does not divide it makes the last ones smaller), "
+                "or None for the default"
             )
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ValueError(

@@ -39,12 +39,14 @@ from autopar.cluster import PRESETS, Cluster, with_pipeline_axis
 from autopar.options import MIXED_PRECISION, PlanOptions
 from autopar.passes.fusion import fuse_regions
 from autopar.plan import SCHEDULES, FusedRegion, Plan
+from autopar.runtime.pipeline_model import SmallerMicrobatches
 from autopar.search.inter_op import PipelineOptions, search_pipeline
 from autopar.search.intra_op import search_plan
 from autopar.search.layouts import search_layout
 from autopar.search.peak import with_predicted_memory
 from autopar.search.pins import SearchOptions
 from autopar.search.progress import phase
+from autopar.search.schedules import microbatch_rows
 from autopar.search.template_plan import plan_from_template
 
 
@@ -80,11 +82,7 @@ class PlanJob:
         pp = cluster.mesh_shape[0]
         rows = batch[0].shape[0]
         m = microbatches or _default_microbatches(rows, pp)
-        if rows % m:
-            raise ValueError(
-                f"the batch has {rows} rows, which do not split into "
-                f"microbatches={m}; pick a divisor of {rows}"
-            )
+        microbatch_rows(rows, m)  # a count from 1 to the rows (uneven ones: the last smaller)
         cuts, schedule = options.stage_cuts, options.schedule
         if plan is None and cuts is not None and schedule is not None:
             want = pp * SCHEDULES[schedule]
@@ -93,14 +91,15 @@ class PlanJob:
                     f"stage_cuts has {len(cuts)} entries but schedule={schedule!r} on {pp} "
                     f"pipeline ranks runs {want} stages; give {want} cuts"
                 )
-        return cls(cluster, options, PipelineOptions(m, schedule, cuts), fusion)
+        uneven = rows if rows % m else None
+        return cls(cluster, options, PipelineOptions(m, schedule, cuts, uneven), fusion)
 
     def capture_batch(self, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Pipelined graphs are captured on one microbatch (the shapes each stage runs)."""
         if self.pipeline is None:
             return tuple(batch)
-        m = self.pipeline.microbatches
-        return tuple(t.chunk(m, dim=0)[0] for t in batch)
+        largest = microbatch_rows(batch[0].shape[0], self.pipeline.microbatches)[0]
+        return tuple(t[:largest] for t in batch)
 
     def fuse(self, captured: Captured) -> tuple[FusedRegion, ...]:
         """Swap matched regions of the captured graph for fused kernels (passes/fusion)."""
@@ -160,6 +159,29 @@ def prepare(
         tpl = template_of(model, batch, loss_fn) if template else None
         regions = job.fuse(captured)
     return job, captured, regions, tpl
+
+
+def smaller_microbatch(
+    model: nn.Module,
+    batch: Sequence[torch.Tensor],
+    loss_fn: Callable | None,
+    options: PlanOptions,
+    plan: Plan,
+) -> SmallerMicrobatches | None:
+    """A pipeline whose batch its microbatch count does not divide runs its last
+    microbatches one row smaller (`microbatch_rows`): their graph, captured and fused as
+    the planned one (same node names, so the plan's placements apply). None when even."""
+    assert plan.pipeline is not None
+    sizes = microbatch_rows(batch[0].shape[0], plan.pipeline.microbatches)
+    if sizes[0] == sizes[-1]:
+        return None
+    small = tuple(t[: sizes[-1]] for t in batch)
+    dtype = compute_dtype(options, plan)
+    if dtype is not None:
+        model, small = in_compute_dtype(model, small, dtype)
+    captured = capture(model, small, loss_fn)
+    fuse_regions(captured, kernels=plan.fusion)
+    return SmallerMicrobatches(captured, sizes.count(sizes[-1]))
 
 
 def template_of(model: nn.Module, batch: Sequence[torch.Tensor], loss_fn) -> Template | None:
@@ -428,8 +450,8 @@ def verify_same_plan(plan: Plan) -> None:
 
 
 def _default_microbatches(rows: int, pp: int) -> int:
-    """2*pp microbatches (a small bubble), or the largest divisor of the batch below it."""
-    for m in range(min(rows, 2 * pp), 0, -1):
-        if rows % m == 0:
-            return m
-    return 1
+    """2*pp microbatches (a small bubble), or the largest divisor of the batch below it;
+    when that leaves a stage idle (a prime batch: 5 rows on 2 stages), min(rows, 2*pp)
+    uneven ones (`microbatch_rows`: 2, 1, 1, 1)."""
+    even = next(m for m in range(min(rows, 2 * pp), 0, -1) if rows % m == 0)
+    return even if even >= min(rows, pp) else min(rows, 2 * pp)

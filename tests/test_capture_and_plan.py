@@ -204,7 +204,7 @@ BAD_OPTIONS = [
     # checked against the cluster, still before capture
     ({"strategy": ("dp", "tp")}, "names 2 axis roles but the mesh has 1"),
     ({"pipeline_stages": 2, "schedule": "1f1b", "stage_cuts": (0,)}, "stage_cuts has 1 entries"),
-    ({"pipeline_stages": 2, "microbatches": 3}, "do not split into microbatches=3"),
+    ({"pipeline_stages": 2, "microbatches": 5}, "microbatches=5 cannot split a batch of 4"),
     ({"pipeline_stages": 3}, "pipeline_stages=3 does not divide the first mesh axis"),
 ]
 

@@ -100,6 +100,10 @@ def test_rewrite_buckets_and_overlaps(fake_group) -> None:
     per_block = [n for n in starts if n.target is ALL_GATHER and layer_of(n) is not None]
     assert len(per_block) == 2  # gpt tiny: two blocks
     _check_schedule(gm, lowered)
+    # the scheduling keeps the collectives' issue order as bucketing left it (peers whose
+    # programs differ, uneven shards, issue them alike)
+    traced = [n.name for n in _starts(_program("fsdp", CommOptions(overlap=False)))]
+    assert [n.name for n in starts] == traced
 
 
 def test_gathers_prefetch_one_layer_and_regathers_stay(fake_group) -> None:

@@ -259,3 +259,190 @@ def test_weight_gradients_are_the_weight_matmuls() -> None:
     assert reads[torch.ops.aten.mm.default] == ["x_1"]
     assert reads[torch.ops.aten.bmm.default] == []
     assert reads[torch.ops.aten.t.default] == []
+
+
+def test_stages_are_priced_with_the_communication_pass() -> None:
+    """Pipelined plans run the communication pass in their stage programs, priced so: an
+    fsdp stage's per-layer fused, prefetched gathers cost less than its collectives waited
+    at once, one per tensor (the ILP's price, what a stage without the pass runs)."""
+    from dataclasses import replace
+
+    import torch.distributed as dist
+
+    from autopar._compat import FakeStore
+    from autopar.cluster import Cluster
+    from autopar.options import PlanOptions
+    from autopar.plan import DEFAULT_COMM
+    from autopar.planning import prepare
+    from autopar.search.inter_op import (
+        layer_costs,
+        price_schedule,
+        reduced_per_step,
+        solve_pipeline,
+    )
+    from autopar.search.pins import SearchOptions
+    from samples import get_sample
+
+    sample = get_sample("gpt")
+    model = sample.build("tiny4", device="meta")
+    batch = sample.example_batch(model, 8, device="meta")
+    cluster = Cluster.preset("cpu", mesh=(2, 2), axis_names=("pp", "dp"))
+    options = PlanOptions(strategy="fsdp", schedule="1f1b", microbatches=4)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        job, captured, _, _ = prepare(model, batch, cluster, None, options)
+        search = SearchOptions.from_options(job.options)
+        mesh = job.cluster.device_mesh()[("dp",)]
+        result, best, _ = solve_pipeline(captured, job.cluster, mesh, search, job.pipeline)
+    finally:
+        dist.destroy_process_group()
+    assert result.comm == DEFAULT_COMM and result.info["comm_pass"]
+    costs = layer_costs(captured, result)
+    waited = price_schedule(replace(costs, comm=None), "1f1b", 2, 4, job.cluster)
+    assert best.step_time == price_schedule(costs, "1f1b", 2, 4, job.cluster).step_time
+    assert best.step_time < waited.step_time
+    # the fsdp layers' gradient reduce-scatters run in every microbatch's backward
+    scatters = [g for g in costs.parts[0].grads if not reduced_per_step(g)]
+    assert scatters and all(g in costs.parts[0].program[0].grads for g in scatters)
+
+
+def test_step_text_says_what_a_pipelined_step_is_made_of() -> None:
+    import autopar
+    from autopar.cluster import Cluster
+    from autopar.views.tables import step_text
+    from samples import get_sample
+
+    sample = get_sample("gpt")
+    model = sample.build("tiny4", device="meta")
+    batch = sample.example_batch(model, 8, device="meta")
+    cluster = Cluster.preset("cpu", mesh=(2, 2), axis_names=("pp", "dp"))
+    plan = autopar.plan(model, batch, cluster=cluster, schedule="1f1b", microbatches=4)
+    stages = plan.solver["stage_times"]
+    assert len(stages) == 2 and all(t > 0 for t in stages)
+    text = step_text(plan)
+    assert "1f1b schedule over 4 microbatches" in text
+    assert f"[{stages[0] * 1e3:.3f}, {stages[1] * 1e3:.3f}] ms, collectives overlapped" in text
+    assert f"gradient sync after the schedule {plan.solver['gradient_sync'] * 1e3:.3f} ms" in text
+
+
+def _synthetic(grads=(), layer_forward: float | None = None, pre: float = 0.0):
+    """Four identical layers (forward f, backward 2f, one weight gather of 1 MiB taking g
+    seconds, and `grads`) after a compute-only embedding of `pre` x g seconds, on pp=2 x
+    dp=2; f = `layer_forward`, or g (a gather hides under one layer's forward)."""
+    from autopar.cluster import Cluster
+    from autopar.cost_models.buckets import collective_times
+    from autopar.plan import DEFAULT_COMM
+    from autopar.search.inter_op import LayerCosts, PartCost, stage_cluster
+    from autopar.search.step import Part
+
+    cluster = Cluster.preset("cpu", mesh=(2, 2), axis_names=("pp", "dp"))
+    gather = [(("ag",), "all_gather", 0, 2.0**20)]
+    g = collective_times(gather, stage_cluster(cluster))
+    f = g if layer_forward is None else layer_forward
+    pre_compute = pre * g
+    program = Part(forward=f, backward=2 * f, gather=g, gathers=gather, grads=list(grads))
+    layer = PartCost(time=3 * f + g, grads=tuple(grads), program=(program,))
+    pre = PartCost(
+        time=pre_compute, program=(Part(forward=pre_compute / 3, backward=2 * pre_compute / 3),)
+    )
+    names = tuple(f"layers.{i}" for i in range(4))
+    costs = LayerCosts(names, (layer,) * 4, pre, PartCost(), 0.0, DEFAULT_COMM)
+    return costs, cluster, g
+
+
+def test_fsdp_gradients_are_reduced_in_every_microbatch() -> None:
+    """A sharded parameter's gradient reduce-scatter runs in each microbatch's backward
+    program (`runtime.pipeline._DeferGradSync` leaves only the replicated ones' partial):
+    priced in the stage's microbatch, bucketed behind its backward; a replicated one's
+    all-reduce runs once per step after the schedule (`sync_gradients`), outside it."""
+    from autopar.cost_models.buckets import fused_time
+    from autopar.search.inter_op import price_schedule, reduced_per_step, stage_cluster, stage_time
+
+    scatter = [(("rs",), "reduce_scatter", 0, 2**22)]
+    reduce = [(("ar",), "all_reduce", 0, 2**22)]
+    assert not reduced_per_step(scatter[0]) and reduced_per_step(reduce[0])
+    bare, cluster, _ = _synthetic(layer_forward=1e-3)
+    sub = stage_cluster(cluster)
+    comm = bare.comm
+    layer = bare.parts[0]
+    for grads, per_step in ((scatter, False), (reduce, True)):
+        costs, _, _ = _synthetic(grads, layer_forward=1e-3)
+        part = costs.parts[0]
+        t, t0 = stage_time(part, sub, comm), stage_time(layer, sub, comm)
+        # the last layer's bucket is exposed: its whole reduce-scatter, every microbatch
+        assert t == (t0 if per_step else pytest.approx(t0 + fused_time(grads, sub)))
+        waited = stage_time(part, sub, None)  # no pass: one per tensor, waited at once
+        assert waited == pytest.approx(part.time + (0 if per_step else fused_time(grads, sub)))
+        one, four = (price_schedule(costs, "gpipe", 2, m, cluster) for m in (1, 4))
+        # a rank's two layers: one flat buffer, after the schedule
+        assert one.sync == (fused_time(grads * 2, sub) if per_step else 0.0)
+        assert four.sync == one.sync  # once per step, whatever the microbatches
+
+
+def test_stage_cuts_balance_the_overlapped_stage_times() -> None:
+    """The cuts minimize the slowest stage as the schedule prices it (`stage_time`: gathers
+    prefetched under the previous layer, the stage's first one exposed), not the layers'
+    collectives waited at once: here those would put two layers on the first stage."""
+    from itertools import combinations
+
+    from autopar.search.inter_op import _stage_parts, price_schedule, stage_cluster, stage_time
+
+    costs, cluster, _ = _synthetic(pre=3.5)
+    sub = stage_cluster(cluster)
+    weights = [p.time for p in costs.parts]
+    weights[0] += costs.pre.time
+    assert balanced_cuts(weights, 2) == (0, 2)  # by the collectives waited at once
+
+    def slowest(cuts):
+        return max(stage_time(p, sub, costs.comm) for p in _stage_parts(costs, cuts))
+
+    priced = price_schedule(costs, "gpipe", 2, 4, cluster)
+    assert priced.cuts == (0, 1)
+    every = [(0, c) for (c,) in combinations(range(1, 4), 1)]
+    assert slowest(priced.cuts) == min(slowest(c) for c in every)
+    assert slowest((0, 1)) < slowest((0, 2))
+    assert list(priced.stage_times) == [
+        stage_time(p, sub, costs.comm) for p in _stage_parts(costs, (0, 1))
+    ]
+
+
+def test_gathers_prefetch_in_issue_order() -> None:
+    """The pass issues each collective after the one traced before it: a layer's gather
+    is prefetched only under the previous layer's forward after its last activation
+    collective (`Part.tail`), not under all of it. A stage of four layers whose gather
+    hides under one layer's forward: in full once, then not at all; with each layer ending
+    on an activation collective (tail 0): in full every layer. A dp x tp plan's layers end
+    so (the row-parallel output's all-reduce), with little forward after it."""
+    from dataclasses import replace
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.capture import capture
+    from autopar.cluster import Cluster
+    from autopar.plan import DEFAULT_COMM
+    from autopar.planning import fake_group
+    from autopar.search.inter_op import PartCost, stage_cluster, stage_time
+    from autopar.search.intra_op import solve_intra
+    from autopar.search.pins import SearchOptions
+    from autopar.search.step import program_parts
+    from samples import get_sample
+
+    costs, cluster, g = _synthetic()
+    sub = stage_cluster(cluster)
+    stage = sum(costs.parts, PartCost())
+    compute = sum(p.forward + p.backward for q in costs.parts for p in q.program)
+    assert stage_time(stage, sub, costs.comm) == pytest.approx(compute + g)
+    ending = replace(stage, program=tuple(replace(p, tail=0.0) for p in stage.program))
+    assert stage_time(ending, sub, costs.comm) == pytest.approx(compute + 4 * g)
+
+    sample = get_sample("gpt")
+    model = sample.build("tiny", device="meta")
+    batch = sample.example_batch(model, 8, device="meta")
+    cluster = Cluster.preset("cpu", mesh=(2, 2), axis_names=("dp", "tp"))
+    with fake_group(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        captured = capture(model, batch)
+        options = SearchOptions(strategy=("fsdp", "tp"))
+        result = solve_intra(captured, cluster, mesh, options, comm=DEFAULT_COMM)
+    layers = program_parts(captured, result)[1:-1]
+    assert layers and all(p.gathers and 0 < p.tail < p.forward for p in layers)

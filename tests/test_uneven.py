@@ -8,9 +8,11 @@ exactly the largest shard of every parameter (``cost_models.memory.local_shape``
 Run time (4 gloo processes, one spawn): a tiny GPT with the prime vocabulary 97 (25, 25, 25,
 22 rows per rank) and batches the data-parallel degree does not divide trains like the
 single device under fsdp, tp (vocabulary-parallel embedding and head), dp x tp and a
-2-stage pipeline over fsdp (microbatches split unevenly over dp), at test_parity's
-tolerances (loss <= 1e-5 relative, gradient shards <= 1e-5 x max |g_ref|, parameters
-<= lr x steps).
+2-stage pipeline over fsdp (microbatches split unevenly over dp); a vocabulary and a batch
+of 3 on dp=4 (shards of 1, 1, 1, 0 rows); and a 2-stage pipeline whose 7 rows do not divide
+into its 3 microbatches (3, 2, 2: two schedule steps, losses weighted by rows), at
+test_parity's tolerances (loss <= 1e-5 relative, gradient shards <= 1e-5 x max |g_ref|,
+parameters <= lr x steps).
 
 This file is also the model source of those cases (``build`` / ``example_batch``).
 """
@@ -31,11 +33,15 @@ from autopar.cost_models.memory import local_shape
 from autopar.passes.strategies import is_valid_spec
 from autopar.plan import parse_spec
 from autopar.runtime.shards import chunk_of
+from autopar.search.schedules import microbatch_groups, microbatch_rows, simulate
 from autopar.testing.parity import LR, ParityCase, ParityResult, Tolerance, check, run_parity
 from samples.gpt import GPT, GPTConfig
 from samples.gpt import example_batch as gpt_batch
 
-CONFIGS = {"vocab97": GPTConfig(vocab_size=97, block_size=16, n_layer=2, n_head=4, n_embd=32)}
+CONFIGS = {
+    "vocab97": GPTConfig(vocab_size=97, block_size=16, n_layer=2, n_head=4, n_embd=32),
+    "vocab3": GPTConfig(vocab_size=3, block_size=16, n_layer=2, n_head=4, n_embd=32),
+}
 SOURCE = f"{Path(__file__).resolve()}:build"
 STEPS = 2
 WORLD = 4
@@ -82,8 +88,67 @@ def test_gpt2_vocab_50257_fsdp_plans_padded_shards() -> None:
     assert plan.predicted_memory["optimizer_state"] >= 2 * padded * 4  # AdamW's two moments
 
 
+def test_dimension_below_the_axis_is_stored_with_an_empty_shard() -> None:
+    """A vocabulary of 3 under fsdp on 4 ranks: the embedding is stored 1, 1, 1, 0 rows
+    (and so is a batch of 3), priced at the largest shard; no op reads a dim cut into more
+    pieces than it has rows (DTensor's rule), so such values are gathered before use."""
+    model = build("vocab3")
+    batch = example_batch(model, 3)
+    plan = autopar.plan(model, batch, cluster=Cluster.preset("cpu", mesh=(4,)), strategy="fsdp")
+    specs = {t.name: t.spec for t in plan.tensors}
+    assert specs["p_wte_weight"] == specs["idx"] == "S(0)", specs
+    pieces = [len(chunk_of(torch.arange(3), 0, 4, i)) for i in range(4)]
+    assert pieces == [1, 1, 1, 0]
+    assert is_valid_spec((Shard(0),), (3, 32), (4,), storage=True)
+    assert not is_valid_spec((Shard(0),), (3, 32), (4,))
+    params = [t for t in plan.tensors if t.kind == "param"]
+    held = sum(math.prod(local_shape(t.shape, parse_spec(t.spec), (4,))) for t in params)
+    assert plan.predicted_memory["parameters"] == held * 4
+
+
+def test_microbatch_count_need_not_divide_the_batch() -> None:
+    """7 rows in 3 microbatches: 3, 2, 2 (torch.tensor_split: always the count asked for,
+    where torch.chunk cuts 5 rows in 4 into 2, 2, 1). The plan is captured and priced at
+    the largest microbatch, its two sizes run as two schedule steps (priced so: a second
+    fill and drain); a prime batch with `pipeline_stages="auto"` still plans."""
+    assert microbatch_rows(7, 3) == (3, 2, 2) and microbatch_groups(7, 3) == (1, 2)
+    assert microbatch_rows(5, 4) == (2, 1, 1, 1) and len(torch.arange(5).chunk(4)) == 3
+    assert microbatch_groups(6, 3) == (3,)
+    with pytest.raises(ValueError, match="cannot split a batch of 7 rows"):
+        microbatch_rows(7, 8)
+    one_run = simulate("1f1b", [1.0, 1.0], [2.0, 2.0], 3, 2)
+    two_runs = simulate("1f1b", [1.0, 1.0], [2.0, 2.0], (1, 2), 2)
+    assert two_runs.step_time > one_run.step_time
+    model = build()
+    cluster = Cluster.preset("cpu", mesh=(4,))
+    plan = autopar.plan(
+        model, example_batch(model, 7), cluster=cluster, pipeline_stages=2, microbatches=3
+    )
+    assert plan.pipeline is not None and plan.pipeline.microbatches == 3
+    assert {t.name: t.shape for t in plan.tensors}["idx"] == (3, 16)  # the largest
+    assert all(f"F{s}.2" in row for s, row in enumerate(plan.pipeline.timeline))
+    auto = autopar.plan(
+        model,
+        example_batch(model, 5),
+        cluster=Cluster.preset("cpu", mesh=(2,)),
+        pipeline_stages="auto",
+    )
+    assert auto.solver["layout"], auto.solver
+    pinned = autopar.plan(
+        model,
+        example_batch(model, 7),
+        cluster=Cluster.preset("cpu", mesh=(2,)),
+        pipeline_stages="auto",
+        microbatches=3,
+    )
+    tried = pinned.solver["layout_candidates"]
+    assert any(k.startswith("pp2 ") and " m3" in k for k in tried), tried  # 3, 2, 2 rows
+
+
 CASES = [  # batches of 6 on dp=4 (2, 2, 2, 0 rows), 7 on dp=2 (4, 3 rows)
     ParityCase(SOURCE, (4,), ("dp",), "fsdp", config="vocab97", batch_size=6, steps=STEPS),
+    # a vocabulary and a batch of 3 on dp=4: shards of 1, 1, 1, 0 rows
+    ParityCase(SOURCE, (4,), ("dp",), "fsdp", config="vocab3", batch_size=3, steps=STEPS),
     ParityCase(SOURCE, (4,), ("tp",), "tp", config="vocab97", batch_size=6, steps=STEPS),
     ParityCase(
         SOURCE, (2, 2), ("dp", "tp"), ("dp", "tp"), config="vocab97", batch_size=7, steps=STEPS
@@ -100,6 +165,19 @@ CASES = [  # batches of 6 on dp=4 (2, 2, 2, 0 rows), 7 on dp=2 (4, 3 rows)
         microbatches=2,
         steps=STEPS,
     ),
+    # 7 rows in 3 microbatches: 3, 2, 2 (split 2 + 1, 1 + 1 over dp=2), run as two schedule
+    # steps (one microbatch, then two), each microbatch's loss weighted by its rows
+    ParityCase(
+        SOURCE,
+        (2, 2),
+        ("pp", "dp"),
+        "fsdp",
+        config="vocab97",
+        batch_size=7,
+        schedule="1f1b",
+        microbatches=3,
+        steps=STEPS,
+    ),
 ]
 
 
@@ -109,6 +187,6 @@ def test_prime_vocabulary_matches_single_device() -> None:
 
 
 def _vocabulary_sharded(case: ParityCase, res: ParityResult) -> list[str]:
-    if "S(0)" in res.param_specs["wte.weight"]:  # 97 rows: 25, 25, 25, 22
+    if "S(0)" in res.param_specs["wte.weight"]:  # 97 rows: 25, 25, 25, 22; 3: 1, 1, 1, 0
         return []
     return [f"{res.label}: the vocabulary is not sharded: specs {res.param_specs}"]

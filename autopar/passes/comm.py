@@ -3,25 +3,36 @@
 `optimize_comm(gm, options) -> CommStats` rewrites a lowered per-rank program (local ATen ops
 and `_c10d_functional` collectives, each collective's only user its `wait_tensor`) in place,
 and each pipeline stage's forward and backward graph with the plan's options
-(`runtime.pipeline`; `backward=True` tags an AOTAutograd backward graph as backward;
-pipelined plans carry `comm=None` today, so stages run it off). Every collective is issued
-and waited in the graph it was traced in, so none is in flight across a program's boundary
-(a schedule's sends and receives run between programs). Not yet guaranteed: the peers of a
-group issue their collectives in one order only when their programs are the same graph;
-uneven shards make rank-dependent graphs, whose re-ordering (early issue, prefetch) can
-differ (a pp x dp fsdp stage on an uneven split hung so: one dp peer in an all-gather, the
-other in a reduce-scatter). So a plan with an uneven shard carries `comm=None` and runs
-the program as traced, the same collective order on every rank (`search.intra_op.
-program_comm`, priced so); keeping the traced order of the collectives among themselves in
-the re-ordering would let such plans overlap too:
+(`runtime.pipeline`; `backward=True` tags an AOTAutograd backward graph as backward).
+Every collective is issued and waited in the graph it was traced in, so none is in flight
+across a program's boundary (a schedule's sends and receives run between programs).
 
-1. Bucketing. Backward all-reduces and reduce-scatters (gradient reductions) with the same
-   (op, reduce op, group, dtype) are fused DDP-style: in the order their inputs become ready,
-   a bucket takes collectives until its bytes reach the cap (`first_bucket_bytes` for the
-   first bucket of a key, `bucket_bytes` after: DDP's 1 MiB and 25 MiB), and only while the
-   next one is ready before any member's result is first read (so no consumer waits longer
-   and no cycle forms). All-gathers are fused per layer (the FSDP unit: one all-gather per
-   layer group and phase, forward or backward re-gather). A bucket is one collective on the
+Peers issue their collectives in one order, even where their programs differ: uneven
+shards make rank-dependent graphs (DTensor pads a piece before a collective and narrows
+its result on some ranks only; a pp x dp fsdp stage once hung so, one dp peer in an
+all-gather, the other in a reduce-scatter). What every peer's program has alike is the
+sequence of collectives as traced (op, group, bytes, layer, phase) and which nodes read
+their results. So the pass (a) decides its buckets from that alone, walking the
+collectives in traced order, following reads through the pieces' pads and narrows
+(`PIECES`) as through views, and putting a bucket where one of its members stood; and (b)
+never changes the issue order of the collectives among themselves: after bucketing, each
+collective is issued after the one before it in the program (on any process group),
+while waits still sink to their first reader and compute still moves. With one issue
+order on every rank and every wait after its issue, no group can wait on a peer that
+waits on it. Every plan runs the pass (`search.step.program_comm`), pipelined or not,
+even or uneven:
+
+1. Bucketing. Backward all-reduces and reduce-scatters read by the output only (gradient
+   reductions) with the same (op, reduce op, group, dtype) are fused DDP-style: in traced
+   order (the backward's, the order their inputs become ready), a bucket takes collectives
+   until its bytes reach the cap (`first_bucket_bytes` for the first bucket of a key,
+   `bucket_bytes` after: DDP's 1 MiB and 25 MiB); it is issued where its last member stood.
+   All-gathers are fused per layer (the FSDP unit: one all-gather per layer group and phase,
+   forward or backward re-gather): a layer's parameter gathers (inputs from placeholders
+   only, their copy-ins made first) where the first member stood; other gathers of a layer
+   (activations') where the last one stood, taking a gather only while no member's result
+   is read before it (so no consumer waits longer and no cycle forms; the readers of a
+   member that stood between move after the bucket). A bucket is one collective on the
    flat concatenation (inductor's merge functions, `torch._inductor.fx_passes.bucketing`,
    through `autopar._compat`), split back into views; a piece that is not contiguous (a
    gather's column block of the (ranks, total) result, viewed to a member whose first dim
@@ -33,12 +44,15 @@ the re-ordering would let such plans overlap too:
    do): within the parity tolerances, not bit for bit.
    A fused all-gather gathers into a fresh result (not inductor's preallocated `_out`
    buffer, which the backend's work holds past its last reader).
-2. Scheduling. A stable re-ordering of the program: its `wait_tensor` (and the views reading
+2. Scheduling. A stable re-ordering of the program that keeps the collectives' issue order
+   (each one issued after the one before it): its `wait_tensor` (and the views reading
    the result) sink to just before the first node that needs them; a fused result's
    unpacking (split views, contiguous copies) runs right at its wait, so the flat buffer
    dies there. Gradient reductions (read by the output only) are issued as soon as their
-   inputs exist. Forward gathers of parameters are prefetched one ahead (the next one is
-   issued when the previous one's wait runs, FSDP2's order), never at the program's start;
+   inputs exist and the collective before them is issued. Forward gathers of parameters are
+   prefetched one ahead (the next one is issued when the previous one's wait runs, FSDP2's
+   order, or when the collective before it is issued if that comes later), never at the
+   program's start;
    backward (re-)gathers of parameters, recomputed nodes and every other collective
    (activations', the loss's) stay where the program as lowered (`passes.recompute`
    included) has them, so no buffer lives longer than priced. Communication then overlaps
@@ -46,18 +60,23 @@ the re-ordering would let such plans overlap too:
    NCCL's stream). Scheduling changes no number (the same ops on the same values, in
    another order).
 
-What the cost model must price so (`cost_models.buckets.bucket_plan` is the bucket assignment as a pure
-function): per gradient-reduction key, sum(sizes) bytes in len(buckets) collectives (latency
-once per bucket, not per tensor); a bucket's time overlaps the backward compute that follows
-its last gradient; the last bucket is exposed. Memory (`search.liveness`): a bucket's
-gradients live until it closes, its flat input alongside them at the concatenation; a
-layer's fused gather makes all its members when the first is needed (flat result alive
-while they are copied out). Not priced: a forward gather's flat result issued one layer
-ahead (alive during the previous layer's forward; the step's peak is in backward).
+What the cost model must price so (`cost_models.buckets.bucket_plan` is the bucket
+assignment as a pure function): per gradient-reduction key, sum(sizes) bytes in
+len(buckets) collectives (latency once per bucket); a bucket's time overlaps the backward
+compute that follows its last gradient; the last bucket is exposed. Memory
+(`search.liveness`): a bucket's gradients live until it closes, its flat input alongside
+them at the concatenation (in a stage's backward program too); a layer's fused gather makes
+all its members when the first is needed (flat result alive while they are copied out).
+A pipeline stage (`search.inter_op.stage_time`): each microbatch's programs priced as
+`search.step` prices a step, without the gradient reductions, priced once per step after
+the schedule (as `runtime.pipeline.sync_gradients` runs them; an fsdp stage's
+reduce-scatters, which run in every microbatch's backward, too). Not priced: a forward
+gather's flat result issued one layer ahead (alive during the previous layer's forward).
 """
 
 from __future__ import annotations
 
+import heapq
 import operator
 from dataclasses import dataclass
 
@@ -92,6 +111,13 @@ VIEWS = {
 # what unpacks a fused collective's result into its members' tensors (a view, then a
 # contiguous copy): emitted together right after the wait, so the flat buffer dies there
 UNPACK = VIEWS | {torch.ops.aten.clone.default}
+# what makes a rank's piece of an unevenly sharded value around a collective (the pad of
+# its input, the narrow of its result): some ranks' programs have them, others not
+PIECES = {
+    torch.ops.aten.constant_pad_nd.default,
+    torch.ops.aten.slice.Tensor,
+    torch.ops.aten.narrow.default,
+}
 
 
 # the pass's options are the plan's record of them (`plan.CommPlan`: what the step was
@@ -155,7 +181,9 @@ def _key(node: fx.Node) -> tuple | None:
         return None
     if node.target is ALL_GATHER:  # one per layer and phase (FSDP's unit)
         layer = layer_of(node)
-        return None if layer is None else ("ag", layer, is_backward(node), *node.args[1:])
+        if layer is None:
+            return None
+        return ("ag", layer, is_backward(node), _reads_only_state(node), *node.args[1:])
     if not is_backward(node):
         return None  # forward reductions (TP activations, the loss) are needed at once
     # backward: gradient reductions (`_bucket` keeps those read only by the output)
@@ -163,20 +191,25 @@ def _key(node: fx.Node) -> tuple | None:
 
 
 def _bucket(graph: fx.Graph, options: CommOptions) -> list[int]:
+    """Fuse the collectives (module docstring, 1.), deciding from what every peer's program
+    has alike: the collectives in traced order, their keys and bytes, and where each
+    member's result is first read (through a piece's narrow)."""
     _hoist_state_inputs(graph)
     pos = {n: i for i, n in enumerate(graph.nodes)}
-    ready = {c: max(pos[a] for a in c.all_input_nodes) for c in _collectives(graph)}
-    first_use = {c: _first_use(next(iter(c.users)), pos) for c in ready}
+    first_use = {c: _first_use(next(iter(c.users)), pos) for c in _collectives(graph)}
     open_: dict[tuple, tuple[list[fx.Node], int, int]] = {}  # key -> members, bytes, index
     done: list[list[fx.Node]] = []
     end = len(pos) - 1  # the output node: what gradient reductions feed
-    for c in sorted(ready, key=lambda c: (ready[c], pos[c])):
+    for c in first_use:  # traced order
         key = _key(c)
         if key is None or (key[0] != "ag" and first_use[c] != end):
             continue
         members, held, index = open_.get(key, ([], 0, 0))
-        if members and ready[c] >= min(first_use[m] for m in members):
-            done.append(members)  # a member's result is read before c exists
+        # a member's result read (or c's input made from it) before c: c starts another
+        # bucket (a parameter gather's bucket is issued at its first member: never)
+        state_gather = key[0] == "ag" and key[3]
+        if members and not state_gather and min(first_use[m] for m in members) <= pos[c]:
+            done.append(members)
             members, held, index = [], 0, index + 1
         members.append(c)
         held += _bytes(c)
@@ -187,16 +220,18 @@ def _bucket(graph: fx.Graph, options: CommOptions) -> list[int]:
         open_[key] = (members, held, index)
     done += [m for m, _, _ in open_.values() if m]
     for members in done:
-        if len(members) > 1:  # positions afresh: an earlier merge added nodes
-            _merge(graph, members, {n: i for i, n in enumerate(graph.nodes)})
+        if len(members) > 1:
+            _merge(graph, members)
+    _stable_topological(graph)
     _gather_into_fresh(graph)
     return [len(m) for m in done if len(m) > 1]
 
 
 def _first_use(node: fx.Node, pos: dict[fx.Node, int]) -> int:
-    """Position of the first node reading `node` other than by a view or copy of it."""
+    """Position of the first node reading `node` other than by a view or copy of it, or by
+    the narrow or pad of an uneven piece (which some ranks' programs have, others not)."""
     uses = [
-        _first_use(u, pos) if u.op == "call_function" and u.target in UNPACK else pos[u]
+        _first_use(u, pos) if u.op == "call_function" and u.target in UNPACK | PIECES else pos[u]
         for u in node.users
     ]
     return min(uses, default=len(pos))
@@ -232,17 +267,42 @@ def _bytes(node: fx.Node) -> int:
     return max(v.numel() * v.element_size() for v in vals)
 
 
-def _merge(graph: fx.Graph, members: list[fx.Node], pos: dict[fx.Node, int]) -> None:
-    """One collective for `members`, inserted right after the last input it reads; each
+def _merge(graph: fx.Graph, members: list[fx.Node]) -> None:
+    """One collective for `members` (traced order), issued where its first member stood
+    when it gathers parameters (whose copy-ins `_hoist_state_inputs` made first), else
+    where its last member stood (no member's result is read before: `_bucket`); each
     member's piece of the flat result made contiguous where it is not, as an unfused
     collective's result is (a fused gather's piece is a column block of the (ranks, total)
     result: a reader's `view` fails on it)."""
-    last = max((a for c in members for a in c.all_input_nodes), key=pos.__getitem__)
-    for piece in merge_collective_bucket(graph, members, last.next).values():
+    key = _key(members[0])
+    slot = members[0] if key is not None and key[0] == "ag" and key[3] else members[-1]
+    for piece in merge_collective_bucket(graph, members, slot).values():
         val = piece.meta.get("val")
         assert isinstance(val, torch.Tensor), piece
         if not val.is_contiguous():
             _make_contiguous(graph, piece, val)
+
+
+def _stable_topological(graph: fx.Graph) -> None:
+    """Every node after its inputs, as early as they allow and otherwise in the order it
+    stands (a view of a merged collective's piece that stood between the members moves
+    after the merged collective; no collective moves)."""
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    if all(pos[a] < pos[n] for n in nodes for a in n.all_input_nodes):
+        return
+    missing = {n: len(n.all_input_nodes) for n in nodes}
+    ready = [pos[n] for n in nodes if not missing[n]]
+    order: list[fx.Node] = []
+    while ready:
+        n = nodes[heapq.heappop(ready)]
+        order.append(n)
+        for u in n.users:
+            missing[u] -= 1
+            if not missing[u]:
+                heapq.heappush(ready, pos[u])
+    assert len(order) == len(nodes), "a cycle among the merged collectives"
+    _reorder(graph, order)
 
 
 def _make_contiguous(graph: fx.Graph, piece: fx.Node, val: torch.Tensor) -> None:
@@ -280,13 +340,20 @@ def _gather_into_fresh(graph: fx.Graph) -> None:
 
 # ---- scheduling --------------------------------------------------------------------------
 def _schedule(graph: fx.Graph) -> None:
-    """Re-order `graph`: gradient reductions issued once their inputs exist, forward
-    parameter gathers one ahead, the rest where it stands; waits (with the unpacking of
-    their results) just before their first reader."""
+    """Re-order `graph`: the collectives in their order as they stand (each issued after the
+    one before it); gradient reductions issued once their inputs exist, forward parameter
+    gathers one ahead, the rest where it stands; waits (with the unpacking of their results)
+    just before their first reader."""
     nodes = list(graph.nodes)
     starts = [c for c in nodes if c.op == "call_function" and _is_start(c)]
     lazy, tails = _lazy_nodes(nodes)
     after = _mutation_edges(nodes)  # node -> nodes that must come first (in-place writes)
+    for previous, c in zip(starts, starts[1:], strict=False):  # the issue order: as traced
+        after.setdefault(c, []).append(previous)
+    followers: dict[fx.Node, list[fx.Node]] = {}
+    for n, firsts in after.items():
+        for f in firsts:
+            followers.setdefault(f, []).append(n)
     pos = {n: i for i, n in enumerate(nodes)}
     prefetch = sorted(
         (c for c in starts if _is_gather(c) and _reads_only_state(c)),
@@ -295,7 +362,8 @@ def _schedule(graph: fx.Graph) -> None:
     chained = set(prefetch)
     # a parameter gather (and its copy-in) is issued by the chain or, at the latest, when
     # its result is first needed: never where the inputs exist (the program's start)
-    lazy |= chained | _prefetch_inputs(nodes, chained)
+    copy_in = _prefetch_inputs(nodes, chained)
+    lazy |= chained | copy_in
     # the forward's chain only: a backward (re-)gather stays where `passes.recompute` put
     # it, just before its first reader, as resharding and recomputation are priced
     next_of_wait = {
@@ -303,14 +371,25 @@ def _schedule(graph: fx.Graph) -> None:
         for a, b in zip(prefetch, prefetch[1:], strict=False)
         if not is_backward(a) and not is_backward(b)
     }
-    # gradient reductions (read by the output only) are issued once their inputs exist;
-    # any other collective (activations', the loss's) where it stands, so that its buffers
-    # live no longer than the program as lowered keeps them (what `search.liveness` prices)
+    # gradient reductions (read by the output only) are issued once their inputs exist (and
+    # the collective before them is issued); any other collective (activations', the
+    # loss's) where it stands, so that its buffers live no longer than the program as
+    # lowered keeps them (what `search.liveness` prices)
     end = len(nodes) - 1
-    early = {c for c in starts if c.users and all(_first_use(w, pos) == end for w in c.users)}
-    early -= chained
+    eager = {c for c in starts if c.users and all(_first_use(w, pos) == end for w in c.users)}
+    eager -= chained
     order: list[fx.Node] = []
     done: set[fx.Node] = set()
+
+    def issuable(n: fx.Node) -> bool:  # all it needs is emitted, or is its own copy-in
+        return all(
+            a in done or (a in copy_in and issuable(a))
+            for a in [*n.all_input_nodes, *after.get(n, ())]
+        )
+
+    def issue(c: fx.Node) -> None:
+        if c in eager and c not in done and issuable(c):
+            emit(c)
 
     def emit(n: fx.Node) -> None:
         if n in done:
@@ -323,18 +402,18 @@ def _schedule(graph: fx.Graph) -> None:
         done.add(n)
         for t in tails.get(n, ()):  # a fused result's members, made at once
             emit(t)
-        for u in n.users:  # issue what this completes the inputs of
-            if u in early and u not in done:
-                if all(a in done for a in [*u.all_input_nodes, *after.get(u, ())]):
-                    emit(u)
+        for u in [*n.users, *followers.get(n, ())]:  # what this lets be issued
+            issue(u)
         if n in next_of_wait:  # prefetch the next parameter gather
-            emit(next_of_wait[n])
+            eager.add(next_of_wait[n])
+            issue(next_of_wait[n])
 
     for n in nodes:  # the program's arguments keep their order
         if n.op == "placeholder":
             emit(n)
     if prefetch and not is_backward(prefetch[0]):
-        emit(prefetch[0])
+        eager.add(prefetch[0])
+        issue(prefetch[0])
     for n in nodes:
         if n.op == "output":
             continue
@@ -408,20 +487,18 @@ def _prefetch_inputs(nodes: list[fx.Node], chained: set[fx.Node]) -> set[fx.Node
 
 
 def _reads_only_state(node: fx.Node) -> bool:
-    """The collective's inputs derive from placeholders alone (a parameter's gather)."""
-    stack, seen, placeholders = list(node.all_input_nodes), set(), False
+    """The collective's inputs derive from placeholders (and constants) alone: a parameter's
+    gather (an empty piece some rank makes from nothing counts as one too)."""
+    stack, seen = list(node.all_input_nodes), set()
     while stack:
         n = stack.pop()
-        if n in seen:
+        if n in seen or n.op == "placeholder":
             continue
         seen.add(n)
-        if n.op == "placeholder":
-            placeholders = True
-            continue
         if n.op != "call_function" or _is_start(n) or n.target in WAITS:
             return False
         stack.extend(n.all_input_nodes)
-    return placeholders
+    return True
 
 
 def _mutation_edges(nodes: list[fx.Node]) -> dict[fx.Node, list[fx.Node]]:

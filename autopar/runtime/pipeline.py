@@ -116,8 +116,8 @@ class StageModule(nn.Module):
         # fusion="inductor": the stage's forward and backward graphs go to torch.compile
         compiler = aot_compiler if plan.fusion == "inductor" else _identity_compiler
         # passes.comm on each forward and backward graph (a zero-bubble backward's halves
-        # each), with the plan's options (None, off, for pipelined plans today: see
-        # passes.comm); every collective is issued and waited inside its own graph
+        # each), with the plan's options (`Plan.comm`; None: off); every collective is
+        # issued and waited inside its own graph, in the order it was traced
         comm = options_of(plan.comm)
         forward, backward = (_comm_compiler(compiler, comm, b) for b in (False, True))
         n_state = len(stage.params) + len(stage.buffers)

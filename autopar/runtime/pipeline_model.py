@@ -1,8 +1,19 @@
-"""PipelineModel: the pipelined counterpart of ParallelModel (same public methods)."""
+"""PipelineModel: the pipelined counterpart of ParallelModel (same public methods).
+
+A batch of N rows the microbatch count M does not divide is cut as `torch.tensor_split`
+(`search.schedules.microbatch_rows`: the first N mod M microbatches one row larger). A
+stage program has one shape, and torch's stages receive into buffers of one shape, so the
+two sizes run as two schedule steps, one after the other, each with its own stage
+programs over the same parameter shards (the smaller ones' graph captured at their size,
+`SmallerMicrobatches`). Microbatch i's loss is weighted by n_i / N (its target), and the
+schedules leave the gradients unscaled: the losses and gradients sum to the full batch's
+mean, as on one device.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -39,6 +50,7 @@ class PipelineModel(TrainingSteps):
         plan: Plan,
         world_mesh: DeviceMesh,
         optimizer: OptimizerFactory | None = None,
+        smaller: SmallerMicrobatches | None = None,
     ):
         self.plan, self.captured, self.world_mesh = plan, captured, world_mesh
         # fp16: dynamic loss scaling (runtime.optimizer)
@@ -63,7 +75,11 @@ class PipelineModel(TrainingSteps):
             self._pipeline_stage(graphs[s], m, len(graphs)) for s, m in self.modules.items()
         ]
         self._tied = _tied_params(graphs)
-        self.schedule = _make_schedule(plan, self.stages, self._loss)
+        rows = _captured_rows(captured)
+        count = plan.microbatches - (smaller.count if smaller is not None else 0)
+        self.runs = [_Run(_make_schedule(plan, self.stages, self._loss, count), count, rows)]
+        if smaller is not None:  # uneven microbatches: the smaller ones' own programs
+            self.runs.append(self._smaller_run(smaller, full))
         params = [p for m in self.modules.values() for p in m.shards]
         if self.zero is not None:
             self.optimizer = self.zero.optimizer
@@ -93,16 +109,32 @@ class PipelineModel(TrainingSteps):
 
     # ---- training --------------------------------------------------------------------
     def forward_backward(self, *batch: torch.Tensor) -> torch.Tensor:
-        args = [
-            self._microbatched_local(name, t)
-            for name, t in zip(self.captured.user_inputs, batch, strict=True)
-        ]
+        """Each run's microbatches through its schedule (one run, or two when the batch
+        does not divide: the larger microbatches, then the smaller); microbatch i's loss
+        weighted by its share of the batch's rows, so that the losses and the gradients
+        sum to the full batch's mean (the schedules do not scale the gradients)."""
+        rows = [r.rows for r in self.runs for _ in range(r.count)]
+        if sum(rows) != batch[0].shape[0]:
+            raise ValueError(
+                f"the batch has {batch[0].shape[0]} rows but this pipeline was compiled for "
+                f"{sum(rows)} (microbatches of {rows} rows); compile it for this batch"
+            )
+        share = torch.tensor(rows, dtype=torch.float32, device=self.device) / sum(rows)
         losses: list[torch.Tensor] = []
-        dummy = torch.zeros(self.plan.microbatches, device=self.device)
-        kwargs = {"return_outputs": False}
-        if self._is_last:
-            kwargs.update(target=dummy, losses=losses)
-        self.schedule.step(*args, **kwargs) if self._first else self.schedule.step(**kwargs)
+        first = 0  # the run's first microbatch (and row)
+        for run in self.runs:
+            end = first + run.count
+            args = [
+                self._microbatched_local(name, t[sum(rows[:first]) : sum(rows[:end])], run.count)
+                for name, t in zip(self.captured.user_inputs, batch, strict=True)
+            ]
+            kwargs = {"return_outputs": False}
+            mine: list[torch.Tensor] = []  # the schedule empties the list it is given
+            if self._is_last:  # microbatch i's target: its share of the batch
+                kwargs.update(target=share[first:end], losses=mine)
+            run.schedule.step(*args, **kwargs) if self._first else run.schedule.step(**kwargs)
+            losses += mine
+            first = end
         if self.zero is None:
             sync_gradients(list(self.modules.values()), self.mesh)  # after the last backward
             self._sync_tied_grads()
@@ -112,7 +144,7 @@ class PipelineModel(TrainingSteps):
         if self.scaler is not None:
             self.scaler.unscale(g for g in self.local_grads().values() if g is not None)
         local = (
-            torch.stack([loss.detach().float() for loss in losses]).mean()
+            torch.stack([loss.detach().float() for loss in losses]).sum()
             if losses and self._stage_coord_zero()
             else torch.zeros((), device=self.device)
         )
@@ -152,9 +184,11 @@ class PipelineModel(TrainingSteps):
             for p in m.shards:
                 p.grad = None
 
-    def _loss(self, output: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
-        """The last stage's program already computes the microbatch loss (fp16: scaled)."""
-        return output.float() * self.scaler.scale if self.scaler is not None else output
+    def _loss(self, output: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
+        """The last stage's program already computes the microbatch's mean loss: weighted
+        by the microbatch's share of the batch's rows (fp16: scaled)."""
+        weighted = output.float() * share.reshape(())
+        return weighted * self.scaler.scale if self.scaler is not None else weighted
 
     # ---- state -------------------------------------------------------------------------
     def local_grads(self) -> dict[str, torch.Tensor | None]:
@@ -215,12 +249,30 @@ class PipelineModel(TrainingSteps):
         return merged
 
     # ---- helpers -----------------------------------------------------------------------
-    def _microbatched_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
+    def _smaller_run(self, smaller: SmallerMicrobatches, full: dict[str, torch.Tensor]) -> _Run:
+        """The smaller microbatches' stage programs, on the larger ones' parameter shards
+        and buffers (their gradients accumulate in the same tensors), and their schedule."""
+        graphs = split_stages(smaller.captured, list(self.plan.stage_cuts))
+        stages = []
+        for s, module in self.modules.items():
+            if graphs[s].inputs != module.stage.inputs or graphs[s].params != module.stage.params:
+                raise ValueError(f"stage {s} of the smaller microbatch differs from the planned")
+            twin = StageModule(graphs[s], self.plan, self.mesh, full)
+            twin.shards = module.shards
+            for i in range(len(module.stage.buffers)):
+                setattr(twin, f"b{i}", getattr(module, f"b{i}"))
+            stages.append(self._pipeline_stage(graphs[s], twin, len(graphs)))
+        schedule = _make_schedule(self.plan, stages, self._loss, smaller.count)
+        return _Run(schedule, smaller.count, _captured_rows(smaller.captured))
+
+    def _microbatched_local(self, name: str, full: torch.Tensor, count: int) -> torch.Tensor:
+        """`count` equal microbatches of `full`, each cut to this rank's shard, end to end
+        (the schedule splits them again: microbatch i is the same rows on every rank)."""
         spec = boundary_spec(self.plan, name)
         dtype = self.plan.memory.param_dtype
         if dtype is not None and full.is_floating_point():  # the policy casts float inputs
             full = full.to(getattr(torch, dtype))
-        chunks = full.chunk(self.plan.microbatches, dim=0)
+        chunks = full.tensor_split(count, dim=0)
         return torch.cat([local_chunk(c, spec, self.mesh) for c in chunks])
 
     def _sync_tied_grads(self) -> None:
@@ -310,11 +362,43 @@ def _tied_params(graphs) -> list[str]:
     return sorted(n for n, c in count.items() if c > 1)
 
 
-def _make_schedule(plan: Plan, stages: list[PipelineStage], loss_fn):
-    cls = getattr(pp_schedules, TORCH_CLASSES[plan.schedule])
-    if SCHEDULES[plan.schedule] == 1:
-        return cls(stages[0], plan.microbatches, loss_fn=loss_fn)
-    return cls(stages, plan.microbatches, loss_fn=loss_fn)
+@dataclass(frozen=True)
+class SmallerMicrobatches:
+    """A batch the microbatch count does not divide (`search.schedules.microbatch_rows`):
+    the graph of its last, one row smaller microbatches and how many there are."""
+
+    captured: Captured
+    count: int
+
+
+@dataclass(frozen=True)
+class _Run:
+    """`count` microbatches of `rows` rows through one schedule step."""
+
+    schedule: object
+    count: int
+    rows: int
+
+
+def _captured_rows(captured: Captured) -> int:
+    """The rows of the microbatch `captured` was captured on."""
+    first = next(n for n in captured.placeholders() if n.name == captured.user_inputs[0])
+    return first.meta["val"].shape[0]
+
+
+def _make_schedule(plan: Plan, stages: list[PipelineStage], loss_fn, microbatches: int):
+    """The plan's schedule over `stages`; the gradients left unscaled (`_loss` weights
+    each microbatch by its rows)."""
+    name = plan.schedule
+    if SCHEDULES[name] == 1:
+        if name == "1f1b" and microbatches < stages[0].num_stages:
+            # torch's 1F1B asks a microbatch per stage; with fewer, GPipe's order (what
+            # `search.schedules.simulate` prices for 1F1B so: its warm-up holds them all)
+            name = "gpipe"
+        cls = getattr(pp_schedules, TORCH_CLASSES[name])
+        return cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
+    cls = getattr(pp_schedules, TORCH_CLASSES[name])
+    return cls(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
 def _nothing_left():

@@ -95,6 +95,30 @@ class CostWeights:
         return self.layer.get(layer, 1.0) if layer is not None else 1.0
 
 
+@dataclass(frozen=True, slots=True)
+class _EdgeValue:
+    """What the prices of one operand's edges read of its value, read once per matrix."""
+
+    shape: torch.Size
+    dims: tuple[int, ...]
+    dtype: torch.dtype
+    itemsize: int
+    weight: bool  # a parameter gradient (`CostContext.is_weight`)
+    memo_weight: bool  # the gradient's size depends on `weight` (mixed precision)
+
+    @staticmethod
+    def of(ctx: CostContext, op: Operand, val: torch.Tensor) -> _EdgeValue:
+        weight = ctx.is_weight(op.producer)
+        return _EdgeValue(
+            val.shape,
+            tuple(val.shape),
+            val.dtype,
+            val.element_size(),
+            weight,
+            bool(ctx.reduce_itemsize) and weight,
+        )
+
+
 class CostContext:
     def __init__(
         self,
@@ -125,6 +149,7 @@ class CostContext:
         self._redistributed: dict[tuple, float] = {}  # `_redistribute` memo
         self._matrices: dict[tuple, list[list[tuple[float, float]]]] = {}
         self._grad_specs: dict[tuple[int, int], tuple] = {}
+        self._grad_srcs: dict[int, tuple] = {}  # `_grad_source` memo, by id
         self._memories: dict[tuple[fx.Node, int], float] = {}
 
     # ---- graph helpers -------------------------------------------------------------------
@@ -264,19 +289,10 @@ class CostContext:
         (from spec `src`) as input `pos` of `v` running `s`. Memoized per (strategy, input,
         source spec, shape, dtype size, weight or not): repeated layers and ops of one
         shape ask for the same pair again."""
-        dst = s.inputs[pos] if pos < len(s.inputs) else None
         val = op.tensor
-        if src is None or dst is None or val is None:
+        if val is None:
             return 0.0, 0.0
-        weight = bool(self.reduce_itemsize) and self.is_weight(op.producer)
-        # by identity (placements hash in Python); `_alive` holds every object keyed by
-        # its id, so no id is reused while the memo lives
-        key = (id(s), pos, id(src), val.shape, val.dtype, weight)
-        found = self._parts.get(key)
-        if found is None:
-            self._alive[id(s)], self._alive[id(src)] = s, src
-            found = self._parts[key] = self._edge_parts(op, tuple(src), s, dst)
-        return found
+        return self._parts_of(_EdgeValue.of(self, op, val), src, s, pos)
 
     def edge_part_matrices(
         self, op: Operand, srcs: list, v: fx.Node, ss: list[NodeStrategy], pos: int
@@ -288,23 +304,48 @@ class CostContext:
         found = self._matrices.get(key)
         if found is None:
             self._alive.update({id(x): x for x in (*srcs, *ss)})
-            found = [[self.edge_parts(op, src, v, s, pos) for s in ss] for src in srcs]
+            val = op.tensor
+            if val is None:
+                found = [[(0.0, 0.0)] * len(ss) for _ in srcs]
+            else:  # what the operand is, read once for the whole matrix
+                edge = _EdgeValue.of(self, op, val)
+                found = [[self._parts_of(edge, src, s, pos) for s in ss] for src in srcs]
             self._matrices[key] = found
         return found
 
-    def _edge_parts(self, op: Operand, src, s: NodeStrategy, dst) -> tuple[float, float]:
-        val = op.tensor
+    def _parts_of(self, edge: _EdgeValue, src, s: NodeStrategy, pos: int):
+        dst = s.inputs[pos] if pos < len(s.inputs) else None
+        if src is None or dst is None:
+            return 0.0, 0.0
+        # by identity (placements hash in Python); `_alive` holds every object keyed by
+        # its id, so no id is reused while the memo lives
+        key = (id(s), pos, id(src), edge.shape, edge.dtype, edge.memo_weight)
+        found = self._parts.get(key)
+        if found is None:
+            self._alive[id(s)], self._alive[id(src)] = s, src
+            found = self._parts[key] = self._edge_parts(edge, tuple(src), s, dst)
+        return found
+
+    def _edge_parts(self, edge: _EdgeValue, src, s: NodeStrategy, dst) -> tuple[float, float]:
         grad_dst = self._grad_spec_at_consumer(dst, s)
-        grad_src = tuple(Replicate() if p.is_partial() else p for p in src)
-        shape, size = tuple(val.shape), val.element_size()
-        grad_size = size
-        if self.reduce_itemsize and self.is_weight(op.producer) and same_spec(src, dst):
+        grad_src = self._grad_source(src)
+        grad_size = size = edge.itemsize
+        if self.reduce_itemsize and edge.weight and same_spec(src, dst):
             # a weight's gradient not reduced by a forward gather's backward reaches the
             # parameter partial and is reduced there, in reduce_dtype (`passes.precision`)
             grad_size = self.reduce_itemsize
-        fwd = self._redistribute(tuple(src), tuple(dst), shape, size)
-        bwd = self._redistribute(grad_dst, grad_src, shape, grad_size)
+        fwd = self._redistribute(src, tuple(dst), edge.dims, size)
+        bwd = self._redistribute(grad_dst, grad_src, edge.dims, grad_size)
         return fwd, bwd
+
+    def _grad_source(self, src: tuple) -> tuple:
+        """The gradient's placement at the producer: its Partials are Replicate there."""
+        found = self._grad_srcs.get(id(src))
+        if found is None:
+            self._alive[id(src)] = src
+            found = tuple(Replicate() if p.is_partial() else p for p in src)
+            self._grad_srcs[id(src)] = found
+        return found
 
     def weight_gathers(self, op: Operand, src, v: fx.Node, s: NodeStrategy, pos: int):
         """``(key, kind, axis, bytes)`` per collective of the forward reshard of the weight

@@ -68,6 +68,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from ortools.math_opt import model_pb2
 from ortools.math_opt.python import mathopt
 
 from autopar.search.ilp_problem import (  # noqa: F401 - re-exported
@@ -118,50 +119,94 @@ class MemoryInfeasible(ValueError):
 
 @dataclass(slots=True)
 class _Model:
-    model: mathopt.Model
-    s: dict[int, dict[int, mathopt.Variable]]  # free decision -> choice -> variable
+    """The MIP as flat arrays (variables by id, rows of (ids, coefficients)), handed to the
+    solver as one `ModelProto` (`_finish`): mathopt's expression API cost more than HiGHS's
+    own solve on a Llama template."""
+
+    s: dict[int, dict[int, int]] = field(default_factory=dict)  # free decision -> choice -> id
     scale: float = 1.0  # objective = const + scale * model objective
     const: float = 0.0  # kept out of the model so the solver's relative gap sees only the rest
-    e: dict[tuple[int, int], dict[tuple[int, int], mathopt.Variable]] = field(default_factory=dict)
-    z: dict[tuple[tuple[int, int], ...], mathopt.Variable] = field(default_factory=dict)
-    y: list[tuple[mathopt.Variable, int, float]] = field(default_factory=list)  # var, 0/1, max
+    e: dict[tuple[int, int], dict[tuple[int, int], int]] = field(default_factory=dict)
+    z: dict[tuple[tuple[int, int], ...], int] = field(default_factory=dict)
+    y: list[tuple[int, int, float]] = field(default_factory=list)  # id, 0/1 (cost/memory), max
+    lower: list[float] = field(default_factory=list)
+    upper: list[float] = field(default_factory=list)
+    integer: list[bool] = field(default_factory=list)
+    rows: list[tuple[float, float, list[int], list[float]]] = field(default_factory=list)
+    objective: dict[int, float] = field(default_factory=dict)
+    model: mathopt.Model | None = None  # built by `_finish`
+
+    def var(self, integer: bool) -> int:
+        self.lower.append(0.0)
+        self.upper.append(1.0)
+        self.integer.append(integer)
+        return len(self.lower) - 1
+
+    def row(self, ids: list[int], coefs: list[float], lb: float, ub: float) -> None:
+        self.rows.append((lb, ub, ids, coefs))
+
+
+def _finish(mdl: _Model) -> mathopt.Model:
+    """One ModelProto of the arrays (matrix entries row-major, columns sorted)."""
+    proto = model_pb2.ModelProto(name="intra_op")
+    n = len(mdl.lower)
+    proto.variables.ids.extend(range(n))
+    proto.variables.lower_bounds.extend(mdl.lower)
+    proto.variables.upper_bounds.extend(mdl.upper)
+    proto.variables.integers.extend(mdl.integer)
+    rows = proto.linear_constraints
+    rows.ids.extend(range(len(mdl.rows)))
+    rows.lower_bounds.extend(r[0] for r in mdl.rows)
+    rows.upper_bounds.extend(r[1] for r in mdl.rows)
+    row_ids, col_ids, coefs = [], [], []
+    for i, (_, _, ids, cs) in enumerate(mdl.rows):
+        entries = sorted(zip(ids, cs, strict=True))
+        row_ids.extend([i] * len(entries))
+        col_ids.extend(j for j, _ in entries)
+        coefs.extend(c for _, c in entries)
+    matrix = proto.linear_constraint_matrix
+    matrix.row_ids.extend(row_ids)
+    matrix.column_ids.extend(col_ids)
+    matrix.coefficients.extend(coefs)
+    objective = sorted((j, c) for j, c in mdl.objective.items() if c)
+    proto.objective.maximize = False
+    proto.objective.linear_coefficients.ids.extend(j for j, _ in objective)
+    proto.objective.linear_coefficients.values.extend(c for _, c in objective)
+    mdl.model = mathopt.Model.from_model_proto(proto)
+    return mdl.model
 
 
 def _add_choice_vars(mdl: _Model, red: _Reduced) -> None:
     for i, ks in enumerate(red.allowed):
         if len(ks) > 1:
-            mdl.s[i] = {k: mdl.model.add_binary_variable(name=f"s_{i}_{k}") for k in ks}
-            mdl.model.add_linear_constraint(mathopt.fast_sum(mdl.s[i].values()) == 1)
+            mdl.s[i] = {k: mdl.var(True) for k in ks}
+            mdl.row(list(mdl.s[i].values()), [1.0] * len(ks), 1.0, 1.0)
 
 
-def _add_edge_vars(mdl: _Model, red: _Reduced) -> dict[mathopt.Variable, float]:
+def _add_edge_vars(mdl: _Model, red: _Reduced) -> dict[int, float]:
     """Create e[u,v,a,b] for finite pairs; returns their (unscaled) objective coefficients."""
-    coef: dict[mathopt.Variable, float] = {}
-    add = mdl.model.add_linear_constraint
+    coef: dict[int, float] = {}
     for (u, v), m in red.pairs.items():
         su, sv = mdl.s[u], mdl.s[v]
-        e = {
-            (a, b): mdl.model.add_binary_variable(name=f"e_{u}_{v}_{a}_{b}")
-            for a in su
-            for b in sv
-            if math.isfinite(m[a][b])
-        }
+        e = {(a, b): mdl.var(True) for a in su for b in sv if math.isfinite(m[a][b])}
         mdl.e[(u, v)] = e
         for (a, b), var in e.items():
             coef[var] = m[a][b]
         for a in su:
-            add(mathopt.fast_sum(e[a, b] for b in sv if (a, b) in e) == su[a])
+            ids = [e[a, b] for b in sv if (a, b) in e]
+            mdl.row([*ids, su[a]], [1.0] * len(ids) + [-1.0], 0.0, 0.0)
         for b in sv:
-            add(mathopt.fast_sum(e[a, b] for a in su if (a, b) in e) == sv[b])
+            ids = [e[a, b] for a in su if (a, b) in e]
+            mdl.row([*ids, sv[b]], [1.0] * len(ids) + [-1.0], 0.0, 0.0)
     return coef
 
 
 def _add_gate_vars(mdl: _Model, red: _Reduced) -> None:
     """z >= sum of the literals - (count - 1): the product of binaries, at its bound."""
     for lits in red.gates:
-        z = mdl.model.add_variable(lb=0.0, ub=1.0, name=f"z_{len(mdl.z)}")
-        terms = mathopt.fast_sum(mdl.s[d][k] for d, k in lits)
-        mdl.model.add_linear_constraint(z >= terms - (len(lits) - 1))
+        z = mdl.var(False)
+        ids = [mdl.s[d][k] for d, k in lits]
+        mdl.row([z, *ids], [1.0] + [-1.0] * len(ids), 1.0 - len(lits), math.inf)
         mdl.z[lits] = z
 
 
@@ -175,19 +220,20 @@ def _add_blocks(mdl: _Model, red: _Reduced) -> None:
             top = max((m[a][b] for a, b in e), default=0.0)
             if top <= 0:
                 continue
-            y = mdl.model.add_variable(lb=0.0, ub=1.0, name=f"y_{len(mdl.y)}")
-            terms = mathopt.fast_sum(m[a][b] / top * var for (a, b), var in e.items() if m[a][b])
-            mdl.model.add_linear_constraint(y - terms - mdl.s[w][c] >= -1.0)
+            y = mdl.var(False)
+            terms = [(var, -m[a][b] / top) for (a, b), var in e.items() if m[a][b]]
+            ids = [y, *(var for var, _ in terms), mdl.s[w][c]]
+            mdl.row(ids, [1.0, *(x for _, x in terms), -1.0], -1.0, math.inf)
             mdl.y.append((y, which, top))
 
 
-def _gate_coef(mdl: _Model, red: _Reduced, which: int) -> dict[mathopt.Variable, float]:
+def _gate_coef(mdl: _Model, red: _Reduced, which: int) -> dict[int, float]:
     coef = {mdl.z[lits]: cm[which] for lits, cm in red.gates.items() if cm[which]}
     coef.update({y: top for y, w, top in mdl.y if w == which})
     return coef
 
 
-def _edge_memory(mdl: _Model, red: _Reduced) -> tuple[float, dict[mathopt.Variable, float]]:
+def _edge_memory(mdl: _Model, red: _Reduced) -> tuple[float, dict[int, float]]:
     """Each edge's memory, shifted by its least entry (exactly one of its e is 1)."""
     const, coef = 0.0, {}
     for key, e in mdl.e.items():
@@ -208,7 +254,7 @@ def _masked(values: tuple[tuple[float, ...], ...] | Matrix, red: _Reduced) -> Ma
     ]
 
 
-def _shifted(mdl: _Model, rows: Matrix) -> tuple[float, dict[mathopt.Variable, float]]:
+def _shifted(mdl: _Model, rows: Matrix) -> tuple[float, dict[int, float]]:
     """Constant part (fixed choices + per-decision minimum) and the per-variable excess."""
     const, coef = 0.0, {}
     for i, row in enumerate(rows):
@@ -241,21 +287,17 @@ def _add_memory_constraint(mdl: _Model, red: _Reduced, limit: float) -> None:
     if not coef or worst <= limit:
         return  # even the largest choices fit: the constraint cannot bind
     scale = max(coef.values())
-    expr = mathopt.fast_sum(c / scale * var for var, c in coef.items())
-    mdl.model.add_linear_constraint(expr <= (limit - const) / scale, name="memory")
+    mdl.row(list(coef), [c / scale for c in coef.values()], -math.inf, (limit - const) / scale)
 
 
-def _set_objective(mdl: _Model, coef: dict[mathopt.Variable, float], const: float) -> None:
+def _set_objective(mdl: _Model, coef: dict[int, float], const: float) -> None:
     mdl.const = const
     mdl.scale = max((abs(c) for c in coef.values() if c), default=1.0)
-    mdl.model.objective.is_maximize = False
-    for var, c in coef.items():
-        if c:
-            mdl.model.objective.set_linear_coefficient(var, c / mdl.scale)
+    mdl.objective = {var: c / mdl.scale for var, c in coef.items() if c}
 
 
 def _build(red: _Reduced, p: IntraOpProblem, *, minimize_memory: bool = False) -> _Model:
-    mdl = _Model(mathopt.Model(name="intra_op"), {})
+    mdl = _Model()
     _add_choice_vars(mdl, red)
     edge_coef = _add_edge_vars(mdl, red)
     _add_gate_vars(mdl, red)
@@ -263,6 +305,7 @@ def _build(red: _Reduced, p: IntraOpProblem, *, minimize_memory: bool = False) -
     if minimize_memory:  # diagnosis model: least memory, ignoring the limit
         const, coef, _ = _memory_terms(mdl, red)
         _set_objective(mdl, coef, const)
+        _finish(mdl)
         return mdl
     _add_memory_constraint(mdl, red, p.memory_limit)
     const, coef = _shifted(mdl, _masked(red.cost, red))
@@ -270,6 +313,7 @@ def _build(red: _Reduced, p: IntraOpProblem, *, minimize_memory: bool = False) -
     for var, c in _gate_coef(mdl, red, 0).items():
         coef[var] = coef.get(var, 0.0) + c
     _set_objective(mdl, coef, const)
+    _finish(mdl)
     return mdl
 
 
@@ -287,7 +331,11 @@ def _params(solver: mathopt.SolverType, time_limit_s: float) -> mathopt.SolvePar
 
 
 def _solve_model(
-    p: IntraOpProblem, backend: str, *, minimize_memory: bool = False
+    p: IntraOpProblem,
+    backend: str,
+    *,
+    minimize_memory: bool = False,
+    reduced: _Reduced | None = None,
 ) -> tuple[_Model, _Reduced, mathopt.SolveResult]:
     """HiGHS first; CP-SAT if HiGHS is unavailable, fails, or finds no solution. HiGHS
     solves the model with blocks (`_add_blocks`); CP-SAT, whose variables are integral,
@@ -299,7 +347,8 @@ def _solve_model(
     result, error = None, None
     for name in order:
         solver = mathopt.SolverType.HIGHS if name == "highs" else mathopt.SolverType.CP_SAT
-        red = _reduce(p, blocks=name == "highs")
+        highs = name == "highs"
+        red = reduced if reduced is not None and highs else _reduce(p, blocks=highs)
         mdl = _build(red, p, minimize_memory=minimize_memory)
         remaining = max(deadline - time.perf_counter(), min(1.0, p.time_limit_s))
         try:
@@ -315,7 +364,7 @@ def _solve_model(
 
 
 def _choices(mdl: _Model, red: _Reduced, result: mathopt.SolveResult) -> tuple[int, ...]:
-    values = result.variable_values()
+    values = {var.id: x for var, x in result.variable_values().items()}
     out = []
     for i, ks in enumerate(red.allowed):
         s = mdl.s.get(i)
@@ -361,7 +410,7 @@ def solve_intra_op(problem: IntraOpProblem, *, backend: str = "auto") -> IntraOp
     min_mem = red.min_memory()
     if min_mem > problem.memory_limit:
         raise MemoryInfeasible(min_mem, problem.memory_limit)
-    mdl, red, result = _solve_model(problem, backend)
+    mdl, red, result = _solve_model(problem, backend, reduced=red)
     if not result.has_primal_feasible_solution():
         if result.termination.reason in _PROVEN_INFEASIBLE:
             raise _diagnose(red, problem, backend)

@@ -90,7 +90,7 @@ def _validate(p: IntraOpProblem) -> None:
     if len(p.node_memory) != n:
         raise ValueError("node_cost and node_memory differ in length")
     for i, (c, m) in enumerate(zip(p.node_cost, p.node_memory, strict=True)):
-        if not c or len(c) != len(m) or any(math.isnan(x) or x == -math.inf for x in (*c, *m)):
+        if not c or len(c) != len(m) or _nan_or_minus_inf((c, m)):
             raise ValueError(f"decision {i}: empty, mismatched, NaN or -inf cost/memory")
     for e in (*p.edges, *p.gated):
         if not (0 <= e.u < n and 0 <= e.v < n):
@@ -99,15 +99,33 @@ def _validate(p: IntraOpProblem) -> None:
         for m in (e.cost, e.memory or e.cost):
             if len(m) != ku or any(len(r) != kv for r in m):
                 raise ValueError(f"edge {e.u}->{e.v}: cost/memory matrix is not {ku}x{kv}")
-            if any(math.isnan(x) or x == -math.inf for r in m for x in r):
+            if _nan_or_minus_inf(m):
                 raise ValueError(f"edge {e.u}->{e.v}: NaN or -inf cost/memory")
-        if e.memory is not None and any(math.isinf(x) for r in e.memory for x in r):
+        if e.memory is not None and _infinite(e.memory):
             raise ValueError(f"edge {e.u}->{e.v}: inf memory (forbid pairs by an inf cost)")
     for g in p.gated:
         if not (0 <= g.w < n and 0 <= g.choice < len(p.node_cost[g.w])):
             raise ValueError(f"gated edge {g.u}->{g.v}: gate {g.w}={g.choice} out of range")
-        if any(x < 0 or math.isinf(x) for m in (g.cost, g.memory or ()) for r in m for x in r):
+        mats = (g.cost, g.memory or ())
+        if any(min(r) < 0 for m in mats for r in m) or any(_infinite(m) for m in mats):
             raise ValueError(f"gated edge {g.u}->{g.v}: costs and memories must be finite, >= 0")
+
+
+def _nan_or_minus_inf(rows) -> bool:
+    """Whether a row holds a NaN or -inf. A row's sum (C speed) is NaN or -inf whenever it
+    does, so only those rows are read entry by entry."""
+    for r in rows:
+        total = sum(r)
+        if (total != total or total == -math.inf) and any(
+            math.isnan(x) or x == -math.inf for x in r
+        ):
+            return True
+    return False
+
+
+def _infinite(rows) -> bool:
+    """Whether a row holds an infinity (its sum is then not finite)."""
+    return any(not math.isfinite(sum(r)) and any(math.isinf(x) for x in r) for r in rows)
 
 
 def _merge_edges(edges, cost: Matrix, mem: Matrix) -> tuple[dict, dict]:

@@ -10,25 +10,32 @@ time t(l) and memory; outside layers, the embedding (first stage) and head/loss 
 
 For each schedule (pinned or all of them): v = virtual stages per rank, S = pp*v stages;
 the cut points come from the DP that minimizes the slowest stage over contiguous layer
-ranges (`balanced_cuts`); the timeline simulator (`search/schedules.py`) prices the
-schedule with per-stage forward (t/3) and backward (2t/3) times (of which the zero-bubble
-schedules' W action runs the weight-gradient matmuls, `schedules.weight_gradient_work`),
-the activation sends between ranks, and gives each rank's peak in-flight microbatches,
-which multiplies its stages' activation memory. A rank reduces its gradients once per step, after the last
-backward, as one flat buffer per (collective, mesh axis, dtype)
-(`cost_models.buckets.fused_time`: the bytes summed, one latency per buffer), waited
-in full after the timeline. A schedule whose ranks do not fit in device memory is dropped;
-the fastest remaining one wins. When none fits, the ILP is solved again (twice at most)
-under a budget shrunk by limit / least peak, so that it turns to its memory levers
-(recompute, reshard after forward) or shards more. A rank's memory counts the weights its
-layers keep gathered until backward (`IntraOpResult.held_weights`); the one-layer working
-sets of recompute and regathering are in the ILP's memory, not in a rank's peak.
+ranges (`balanced_cuts`, each range priced by `stage_time`, what the schedule is priced
+with); the timeline simulator (`search/schedules.py`) prices the schedule with per-stage
+times t as the stage programs run with the communication pass (`stage_time`: gathers
+fused per layer and prefetched, a sharded parameter's gradient reduce-scatters bucketed
+behind every microbatch's backward, waits at first use, `search.step.overlapped_time`),
+forward t/3 and backward 2t/3 (of which the zero-bubble schedules' W action runs the
+weight-gradient matmuls, `schedules.weight_gradient_work`), the activation sends between
+ranks, and gives each rank's peak in-flight microbatches, which multiplies its stages'
+activation memory. A rank all-reduces its replicated parameters' gradients once per step,
+after the last backward (`reduced_per_step`, `runtime.pipeline.sync_gradients`), as one
+flat buffer per (collective, mesh axis, dtype) (`cost_models.buckets.fused_time`: the
+bytes summed, one latency per buffer), waited in full after the timeline. A schedule whose ranks do not fit
+in device memory is dropped; the fastest remaining one wins. When none fits, the ILP is
+solved again (twice at most) under a budget shrunk by limit / least peak, so that it turns
+to its memory levers (recompute, reshard after forward) or shards more. A rank's memory
+counts the weights its layers keep gathered until backward (`IntraOpResult.held_weights`);
+the one-layer working sets of recompute and regathering are in the ILP's memory, not in a
+rank's peak.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from itertools import groupby
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -37,14 +44,28 @@ from autopar.capture import Captured
 from autopar.capture.analysis import batch_dependent, layer_order
 from autopar.capture.export import layer_of
 from autopar.cluster import Cluster
-from autopar.cost_models.buckets import Grad, fused_time
-from autopar.cost_models.comm import send_recv_time
-from autopar.plan import SCHEDULES, MemoryPlan, PipelinePlan, Plan, stage_ranks
+from autopar.cost_models.buckets import Grad, collective_times, fused_time
+from autopar.cost_models.comm import Collective, send_recv_time
+from autopar.plan import (
+    DEFAULT_COMM,
+    SCHEDULES,
+    CommPlan,
+    MemoryPlan,
+    PipelinePlan,
+    Plan,
+    stage_ranks,
+)
 from autopar.search.costs import CostWeights
 from autopar.search.ilp import MemoryInfeasible
 from autopar.search.intra_op import IntraOpResult, solve_intra
 from autopar.search.pins import SearchOptions
-from autopar.search.schedules import Timeline, simulate, weight_gradient_work
+from autopar.search.schedules import (
+    Timeline,
+    microbatch_groups,
+    simulate,
+    weight_gradient_work,
+)
+from autopar.search.step import Part, overlapped_time, program_comm, program_parts
 from autopar.search.to_plan import assemble_plan
 
 
@@ -53,6 +74,15 @@ class PipelineOptions:
     microbatches: int
     schedule: str | None = None  # None: search all
     stage_cuts: tuple[int, ...] | None = None  # None: balanced by cost
+    rows: int | None = None  # the batch's; None: the microbatch count divides it
+
+    @property
+    def groups(self) -> tuple[int, ...]:
+        """Microbatches per size, largest first (`schedules.microbatch_groups`): a batch
+        the count does not divide runs as two schedule steps, priced so."""
+        if self.rows is None:
+            return (self.microbatches,)
+        return microbatch_groups(self.rows, self.microbatches)
 
 
 def stage_cluster(cluster: Cluster) -> Cluster:
@@ -81,6 +111,8 @@ class PartCost:
     # action runs, seconds, and the bytes held from I to W, per microbatch
     wgrad: float = 0.0
     stash: float = 0.0
+    # what the stage program runs, for its time with the communication pass (`search.step`)
+    program: tuple[Part, ...] = ()
 
     def __add__(self, other: PartCost) -> PartCost:
         sums = (a + b for a, b in zip(self.astuple(), other.astuple(), strict=True))
@@ -89,6 +121,7 @@ class PartCost:
             grads=self.grads + other.grads,
             wgrad=self.wgrad + other.wgrad,
             stash=self.stash + other.stash,
+            program=self.program + other.program,
         )
 
     def astuple(self) -> tuple[float, float, float, float]:
@@ -102,6 +135,7 @@ class LayerCosts:
     pre: PartCost  # outside the layers, before the first (embedding)
     post: PartCost  # after the last layer (final norm, head, loss)
     boundary_bytes: float  # activation bytes a stage sends per microbatch
+    comm: CommPlan | None = None  # the stage programs' communication pass (None: none)
 
     @property
     def time(self) -> list[float]:
@@ -124,8 +158,13 @@ class LayerCosts:
 def layer_costs(captured: Captured, result: IntraOpResult) -> LayerCosts:
     layers = layer_order(captured)
     index = {name: i for i, name in enumerate(layers)}
-    parts = [PartCost()] * len(layers)
-    pre, post = PartCost(), PartCost()
+    # with the pass, each part's program (unweighted: `repeated` copies the layers)
+    program = [
+        (replace(p, weight=1.0),) if result.comm is not None else ()
+        for p in program_parts(captured, result)
+    ]
+    parts = [PartCost(program=p) for p in program[1:-1]]
+    pre, post = PartCost(program=program[0]), PartCost(program=program[-1])
     seen_layer = False
     batch = batch_dependent(captured)
     for n in captured.gm.graph.nodes:
@@ -148,7 +187,8 @@ def layer_costs(captured: Captured, result: IntraOpResult) -> LayerCosts:
             post += cost
         else:
             pre += cost
-    return LayerCosts(tuple(layers), tuple(parts), pre, post, _boundary_bytes(captured))
+    boundary = _boundary_bytes(captured)
+    return LayerCosts(tuple(layers), tuple(parts), pre, post, boundary, result.comm)
 
 
 def _grads(result: IntraOpResult, n, pos: int, op) -> list[Grad]:
@@ -170,8 +210,11 @@ def _boundary_bytes(captured: Captured) -> float:
     return 0.0
 
 
-def balanced_cuts(costs: list[float], stages: int) -> tuple[int, ...]:
-    """First layer of each stage, minimizing the slowest stage (contiguous ranges; DP)."""
+def balanced_cuts(
+    costs: list[float], stages: int, span: Callable[[int, int], float] | None = None
+) -> tuple[int, ...]:
+    """First layer of each stage, minimizing the slowest stage (contiguous ranges; DP).
+    `span(i, j)`: seconds of a stage of layers i..j-1 (default: the sum of their `costs`)."""
     n = len(costs)
     if stages > n:
         raise ValueError(
@@ -181,6 +224,8 @@ def balanced_cuts(costs: list[float], stages: int) -> tuple[int, ...]:
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
+    if span is None:
+        span = lambda i, j: prefix[j] - prefix[i]  # noqa: E731
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
     cut = [[0] * (n + 1) for _ in range(stages + 1)]
@@ -188,7 +233,7 @@ def balanced_cuts(costs: list[float], stages: int) -> tuple[int, ...]:
     for s in range(1, stages + 1):
         for j in range(s, n + 1):
             for i in range(s - 1, j):
-                v = max(best[s - 1][i], prefix[j] - prefix[i])
+                v = max(best[s - 1][i], span(i, j))
                 if v < best[s][j]:
                     best[s][j], cut[s][j] = v, i
     cuts, j = [], n
@@ -200,15 +245,39 @@ def balanced_cuts(costs: list[float], stages: int) -> tuple[int, ...]:
 
 def _stage_parts(lc: LayerCosts, cuts: tuple[int, ...]) -> list[PartCost]:
     bounds = [*cuts, len(lc.layers)]
-    out = []
-    for s in range(len(cuts)):
-        total = sum(lc.parts[bounds[s] : bounds[s + 1]], PartCost())
-        if s == 0:
-            total += lc.pre
-        if s == len(cuts) - 1:
-            total += lc.post
-        out.append(total)
-    return out
+    return [_layer_range(lc, bounds[s], bounds[s + 1]) for s in range(len(cuts))]
+
+
+def _layer_range(lc: LayerCosts, first: int, end: int) -> PartCost:
+    """A stage of layers first..end-1 (with what precedes the first layer / follows the
+    last when it holds them)."""
+    total = sum(lc.parts[first:end], PartCost())
+    if first == 0:
+        total = lc.pre + total
+    if end == len(lc.layers):
+        total += lc.post
+    return total
+
+
+def _stage_spans(lc: LayerCosts, cluster: Cluster) -> Callable[[int, int], float]:
+    """`balanced_cuts`' price of a stage of layers i..j-1: `stage_time`, what the schedule
+    is priced with (overlap does not add up layer by layer: a stage's first gather and
+    last gradient bucket are exposed). A template's repeated layers are one object, so
+    ranges of them that hold as many are priced once (about 0.1 s a schedule for 96
+    layers)."""
+    n, seen = len(lc.layers), {}
+    same = list(range(1, n + 1))  # same[i]: the end of the run of lc.parts[i]'s object
+    for i in reversed(range(n - 1)):
+        if lc.parts[i] is lc.parts[i + 1]:
+            same[i] = same[i + 1]
+
+    def span(i: int, j: int) -> float:
+        key = (i == 0, j == n, id(lc.parts[i]), j - i) if j <= same[i] else (i, j)
+        if key not in seen:
+            seen[key] = stage_time(_layer_range(lc, i, j), cluster, lc.comm)
+        return seen[key]
+
+    return span
 
 
 @dataclass(frozen=True)
@@ -218,16 +287,29 @@ class PricedSchedule:
     timeline: Timeline
     peak_memory: float  # bytes on the fullest rank
     step_time: float  # timeline + the slowest rank's gradient sync, seconds
+    stage_times: tuple[float, ...] = ()  # one microbatch's forward + backward per stage
+    sync: float = 0.0  # the slowest rank's gradient reduction after the schedule, seconds
+
+    def info(self) -> dict:
+        """What the plan's search info records of the schedule (`views.tables.step_text`
+        shows what the step time is made of)."""
+        return {
+            "bubble": self.timeline.bubble,
+            "stage_times": [float(t) for t in self.stage_times],
+            "gradient_sync": float(self.sync),
+        }
 
 
 def price_schedule(
     lc: LayerCosts,
     schedule: str,
     pp: int,
-    microbatches: int,
+    microbatches: int | tuple[int, ...],
     cluster: Cluster,
     cuts: tuple[int, ...] | None = None,
 ) -> PricedSchedule:
+    """`microbatches`: a count, or the counts of `PipelineOptions.groups` (every
+    microbatch priced at the captured, largest one's costs)."""
     virtual = SCHEDULES[schedule]
     num = pp * virtual
     if cuts is not None and len(cuts) != num:
@@ -235,15 +317,13 @@ def price_schedule(
             f"stage_cuts has {len(cuts)} entries but {schedule} on {pp} pipeline ranks "
             f"runs {num} stages"
         )
+    sub = stage_cluster(cluster)  # the mesh axes of the stage programs' collectives
     if cuts is None:
-        weights = lc.time
-        weights[0] += lc.pre.time
-        weights[-1] += lc.post.time
-        cuts = balanced_cuts(weights, num)
+        cuts = balanced_cuts(lc.time, num, _stage_spans(lc, sub))
     stages = _stage_parts(lc, cuts)
     pp_axis = cluster.axis_names.index("pp")
     p2p = send_recv_time(lc.boundary_bytes, cluster.links[pp_axis])
-    times = [p.time for p in stages]
+    times = [stage_time(p, sub, lc.comm) for p in stages]
     tl = simulate(
         schedule,
         [t / 3 for t in times],
@@ -255,14 +335,46 @@ def price_schedule(
         stash=[min(p.stash / p.act, 1.0) if p.act else 1.0 for p in stages],
     )
     ranks = stage_ranks(schedule, pp)
-    sub = stage_cluster(cluster)  # the mesh axes the gradients are reduced on
     peak, sync = [], []
     for r in range(pp):
         mine = [stages[s] for s in range(num) if ranks[s] == r]
         per_mb_act = max(p.act for p in mine)
         peak.append(sum(p.state for p in mine) + per_mb_act * tl.in_flight[r])
-        sync.append(fused_time([g for p in mine for g in p.grads], sub))
-    return PricedSchedule(schedule, cuts, tl, max(peak), tl.step_time + max(sync))
+        sync.append(fused_time([g for p in mine for g in p.grads if reduced_per_step(g)], sub))
+    return PricedSchedule(
+        schedule, cuts, tl, max(peak), tl.step_time + max(sync), tuple(times), max(sync)
+    )
+
+
+def reduced_per_step(grad: Grad) -> bool:
+    """Whether a stage reduces `grad` once per step, after the schedule: the all-reduce of
+    a replicated parameter's gradient, which the stage program leaves partial
+    (`runtime.pipeline._DeferGradSync`) for `sync_gradients`. Every other gradient
+    collective (a sharded parameter's reduce-scatter) runs in each microbatch's backward
+    program (the parameter's own placement is not Replicate, so it is not deferred)."""
+    return Collective(grad[1]) is Collective.ALL_REDUCE
+
+
+def stage_time(stage: PartCost, cluster: Cluster, comm: CommPlan | None) -> float:
+    """Seconds of one microbatch's forward and backward programs of `stage` on the stage
+    mesh `cluster`, with the gradient collectives those programs run (a sharded
+    parameter's reduce-scatter, every microbatch; not the all-reduces `reduced_per_step`
+    leaves to after the schedule): with the communication pass, its gathers fused per
+    layer and prefetched, its gradients bucketed behind the backward, its waits at first
+    use (`search.step.overlapped_time`); without it, every collective waited at once, one
+    per tensor (the ILP's)."""
+    if comm is None or not stage.program:
+        return stage.time + collective_times(_in_program(stage.grads), cluster, fused=False)
+    # a template's repeated layer (one object) as one part of that weight: the same price
+    runs = [list(run) for _, run in groupby(stage.program, key=id)]
+    program = [
+        replace(r[0], weight=r[0].weight * len(r), grads=_in_program(r[0].grads)) for r in runs
+    ]
+    return overlapped_time(program, cluster, comm)
+
+
+def _in_program(grads) -> list[Grad]:
+    return [g for g in grads if not reduced_per_step(g)]
 
 
 def pipeline_weights(pp: int, microbatches: int, layers: dict[str, float]) -> CostWeights:
@@ -293,6 +405,7 @@ def solve_pipeline(
     candidates = [pipeline.schedule] if pipeline.schedule else list(SCHEDULES)
     ilp_limit = limit * pp
     result = solve_intra(captured, stage_cluster(cluster), stage_mesh, options, weights, ilp_limit)
+    with_comm(result)
     for attempt in range(_RETRIES + 1):
         lc = layer_costs(captured, result).repeated(total_layers or 0)
         priced, failures, least = _price_schedules(lc, candidates, pp, cluster, pipeline, limit)
@@ -307,6 +420,7 @@ def solve_pipeline(
             )
         except MemoryInfeasible:
             break
+        with_comm(result)
     if not priced:
         raise ValueError("no pipeline schedule fits: " + "; ".join(failures))
     best = min(priced, key=lambda p: p.step_time)
@@ -316,13 +430,20 @@ def solve_pipeline(
 _RETRIES = 2  # ILP re-solves under a tighter budget when no schedule fits
 
 
+def with_comm(result: IntraOpResult) -> None:
+    """The stage programs run the communication pass (`search.step.program_comm`): record
+    it on `result`, whose stage times are then priced with it (`stage_time`)."""
+    result.comm = program_comm(result.chosen, result.ctx.cluster.mesh_shape, DEFAULT_COMM)
+    result.info["comm_pass"] = result.comm is not None
+
+
 def _price_schedules(lc, candidates, pp, cluster, pipeline, limit):
     """(schedules that fit, why the others do not, the least peak of those priced)."""
     priced: list[PricedSchedule] = []
     failures, least = [], math.inf
     for sched in candidates:
         try:
-            p = price_schedule(lc, sched, pp, pipeline.microbatches, cluster, pipeline.stage_cuts)
+            p = price_schedule(lc, sched, pp, pipeline.groups, cluster, pipeline.stage_cuts)
         except ValueError as exc:
             failures.append(f"{sched}: {exc}")
             continue
@@ -349,11 +470,12 @@ def search_pipeline(
         options.strategy_name(),
         best.step_time,
         best.peak_memory,
-        {**result.info, "schedules": schedules, "bubble": best.timeline.bubble},
+        {**result.info, "schedules": schedules, **best.info()},
         priced=result.priced,
         memory=MemoryPlan(
             recompute=result.memory_plan[0], reshard_after_forward=result.memory_plan[1]
         ),
+        comm=result.comm,
     )
     return replace(plan, pipeline=pipeline_plan(captured, cluster, pipeline, best))
 

@@ -179,16 +179,19 @@ def _shape(n: fx.Node):
 
 
 def price(
-    dec: Decisions,
-    rep: list[int],
-    strats,
-    ctx: CostContext,
-    memory_limit: float,
-    time_limit_s: float,
-    comm_scale: tuple[float, float] = (1.0, 1.0),
-) -> tuple[IntraOpProblem, list[int]]:
+    dec: Decisions, rep: list[int], strats, ctx: CostContext, memory_limit: float,
+    time_limit_s: float, comm_scale: tuple[float, float] = (1.0, 1.0),
+) -> tuple[IntraOpProblem, list[int]]:  # fmt: skip
     """The ILP of the decisions; `comm_scale` multiplies the weight edges' forward (gather)
     and backward (gradient reduction) costs."""
+    return price_scales(dec, rep, strats, ctx, memory_limit, time_limit_s, (comm_scale,))[0]
+
+
+def price_scales(
+    dec: Decisions, rep: list[int], strats, ctx: CostContext, memory_limit: float,
+    time_limit_s: float, scales: tuple[tuple[float, float], ...],
+) -> list[tuple[IntraOpProblem, list[int]]]:  # fmt: skip
+    """`price` at each of `scales`: the node prices and the edges' terms are read once."""
     reps = sorted(set(rep))
     index = {r: i for i, r in enumerate(reps)}
     cost = [[0.0] * dec.items[r].num_choices for r in reps]
@@ -199,40 +202,50 @@ def price(
             for c, j in enumerate(mapping):
                 cost[i][c] += ctx.weights.of(n) * ctx.node_cost(n, strats[n][j])
                 mem[i][c] += ctx.weighted_memory(n, strats[n][j])
-    edges = _edges(dec, rep, index, strats, ctx, comm_scale)
-    problem = IntraOpProblem(
-        node_cost=tuple(tuple(r) for r in cost),
-        node_memory=tuple(tuple(r) for r in mem),
-        edges=tuple(edges),
-        memory_limit=memory_limit,
-        time_limit_s=time_limit_s,
-    )
-    return problem, [index[r] for r in rep]
+    node_cost = tuple(tuple(r) for r in cost)
+    node_memory = tuple(tuple(r) for r in mem)
+    terms = _edge_terms(dec, rep, index, strats, ctx)
+    var_of = [index[r] for r in rep]
+    return [
+        (
+            IntraOpProblem(node_cost, node_memory, _edges(terms, s), memory_limit, time_limit_s),
+            var_of,
+        )
+        for s in scales
+    ]
 
 
-def _edges(dec: Decisions, rep, index, strats, ctx: CostContext, scale) -> list[Edge]:
-    acc: dict[tuple[int, int], list[list[float]]] = {}
+def _edge_terms(dec: Decisions, rep, index, strats, ctx: CostContext) -> list[tuple]:
+    """Per operand edge, in order: (ILP pair, weight or not, its weight, gradient syncs,
+    its (forward, backward) parts per choice pair)."""
+    terms = []
     for d, item in enumerate(dec.items):
         v_node, v_map = item.members[0]
         for pos, op in ctx.operands(v_node):
-            scaled = scale != (1.0, 1.0) and ctx.is_weight(op.producer)
             du, map_u = dec.owner[op.producer]
             key = (index[rep[du]], index[rep[d]])
-            mat = acc.setdefault(key, [[0.0] * len(v_map) for _ in map_u])
             srcs = [ctx.output_spec(op, strats[op.producer][ju]) for ju in map_u]
             ss = [strats[v_node][jv] for jv in v_map]
-            # as `CostContext.weighted_edge_cost` counts it; a scaled weight edge's forward
-            # (gather) and backward (gradient reduction) parts scaled by `scale`
-            w = ctx.weights.of(v_node)
-            sync = ctx.weights.sync if ctx.is_weight(op.producer) else 1.0
+            weight = ctx.is_weight(op.producer)  # as `CostContext.weighted_edge_cost` counts
+            sync = ctx.weights.sync if weight else 1.0
             parts_of = ctx.edge_part_matrices(op, srcs, v_node, ss, pos)
-            for row, parts in zip(mat, parts_of, strict=True):
-                for cv, (fwd, bwd) in enumerate(parts):
-                    if scaled:
-                        row[cv] += w * (scale[0] * fwd + scale[1] * sync * bwd)
-                    else:
-                        row[cv] += w * (fwd + sync * bwd)
-    return [Edge(u, v, tuple(tuple(r) for r in m)) for (u, v), m in acc.items()]
+            terms.append((key, weight, ctx.weights.of(v_node), sync, parts_of))
+    return terms
+
+
+def _edges(terms: list[tuple], scale: tuple[float, float]) -> tuple[Edge, ...]:
+    """The edges at `scale`, which scales a weight edge's forward and backward parts."""
+    acc: dict[tuple[int, int], list[list[float]]] = {}
+    for key, weight, w, sync, parts_of in terms:
+        scaled = scale != (1.0, 1.0) and weight
+        mat = acc.setdefault(key, [[0.0] * len(parts_of[0]) for _ in parts_of])
+        for row, parts in zip(mat, parts_of, strict=True):
+            for cv, (fwd, bwd) in enumerate(parts):
+                if scaled:
+                    row[cv] += w * (scale[0] * fwd + scale[1] * sync * bwd)
+                else:
+                    row[cv] += w * (fwd + sync * bwd)
+    return tuple(Edge(u, v, tuple(tuple(r) for r in m)) for (u, v), m in acc.items())
 
 
 @dataclass
@@ -383,8 +396,8 @@ def _build_problem(captured, cluster, strats, options, weights, memory_limit, sc
     rep = share_layers(dec, strats) if options.share_layers else list(range(len(dec.items)))
     limit = memory_limit or options.memory_limit or cluster.device.memory_bytes * 0.9
     problems = []
-    for scale in scales:
-        problem, var_of = price(dec, rep, strats, ctx, limit, options.time_limit_s, scale)
+    priced = price_scales(dec, rep, strats, ctx, limit, options.time_limit_s, scales)
+    for scale, (problem, var_of) in zip(scales, priced, strict=True):
         index = {r: var_of[r] for r in set(rep)}
         problem, levers = add_levers(
             dec,

@@ -49,6 +49,7 @@ from autopar.search.ilp import MemoryInfeasible, SolverTimeout
 from autopar.search.inter_op import PipelineOptions
 from autopar.search.pins import SearchOptions
 from autopar.search.progress import candidate, phase
+from autopar.search.schedules import microbatch_rows
 from autopar.search.template_plan import solve_on_template
 
 MICROBATCH_ROWS = (1, 2)  # rows per data-parallel replica in one microbatch
@@ -88,7 +89,7 @@ class LayoutSearch:
 
     def template_for(self, layout: Layout, rows: int) -> Template | None:
         """The template captured at `layout`'s microbatch shape (None if it cut nothing)."""
-        tpl = self.templates.get(rows // layout.microbatches)
+        tpl = self.templates.get(microbatch_rows(rows, layout.microbatches)[0])
         return tpl if tpl is not None and tpl.total_layers is not None else None
 
 
@@ -112,14 +113,14 @@ class _Pricer:
         """A lower bound of `layout`'s step time: its ranks do M microbatches of compute,
         summed over the pp ranks at least the whole model's (`compute_bound`), and no
         schedule, communication or memory lever takes any away."""
-        tpl = self.template(self.batch[0].shape[0] // layout.microbatches)
+        tpl = self.template(microbatch_rows(self.batch[0].shape[0], layout.microbatches)[0])
         per_mb = compute_bound(tpl, self.cluster, layout.dp * layout.tp)
         return per_mb * layout.microbatches / layout.pp
 
     def price(self, layout: Layout, schedule: str | None) -> tuple[float, float, Layout]:
         """(step seconds, peak bytes, the layout with its schedule); ValueError if none fits."""
-        rows = self.batch[0].shape[0] // layout.microbatches
-        tpl = self.template(rows)
+        rows = self.batch[0].shape[0]
+        tpl = self.template(microbatch_rows(rows, layout.microbatches)[0])  # the largest
         cluster = layout.cluster(self.cluster)
         # shapes only: a mesh without process groups prices any device's plan, and rank 0
         # of a running job can build meshes the other ranks never do
@@ -127,7 +128,7 @@ class _Pricer:
         if layout.pp == 1:
             result = solve_on_template(tpl, cluster, mesh, self.options, None)
             return result.step_time, result.memory, layout
-        pipeline = PipelineOptions(layout.microbatches, schedule)
+        pipeline = PipelineOptions(layout.microbatches, schedule, rows=rows)
         result, best, _ = solve_on_template(tpl, cluster, mesh, self.options, pipeline)
         chosen = Layout(layout.pp, layout.dp, layout.tp, layout.microbatches, best.schedule)
         return best.step_time, best.peak_memory, chosen
@@ -151,7 +152,7 @@ def candidate_layouts(
             if p == 1:
                 counts = [1] if rows % dp == 0 else []
             elif microbatches is not None:
-                counts = [microbatches] if rows % microbatches == 0 else []
+                counts = [microbatches] if microbatches <= rows else []  # uneven: priced so
             else:
                 counts = [rows // (dp * b) for b in MICROBATCH_ROWS if rows % (dp * b) == 0]
             counts = [m for m in counts if p == 1 or m >= p]

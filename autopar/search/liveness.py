@@ -376,7 +376,9 @@ def _backward(step: _Step, again: dict, param_bytes: dict[str, Param]) -> None:
                 )
                 if step.redistributed(n, pos, op):
                     moved = ("gradcomm", n.name, k)
-                    if v in step.scattered and not step.aot:  # a bucketed reduce-scatter
+                    # a bucketed reduce-scatter (in a stage's backward program too, when
+                    # the plan runs `passes.comm` there)
+                    if v in step.scattered and (not step.aot or step.plan.comm is not None):
                         buckets.hold(("scatter",), None, key, live.sizes.get(key, 0.0))
                         buckets.deferred.add(moved)
                     else:

@@ -1,6 +1,7 @@
 """Pipeline schedules priced by their timelines, in the order the runtime runs them.
 
-`simulate(schedule, stage_times, microbatches, pp) -> Timeline`
+`simulate(schedule, stage_times, microbatches, pp) -> Timeline`; `microbatch_rows` /
+`microbatch_groups`: a batch the microbatch count does not divide (uneven microbatches)
 
 Each stage s has forward time f[s] and backward time b[s] per microbatch. Each rank's
 actions come in the order torch.distributed.pipelining executes them: for GPipe and 1F1B
@@ -56,7 +57,9 @@ def _orders(schedule: str, pp: int, m: int) -> list[list[tuple[str, int, int]]]:
     orders = []
     for rank in range(pp):
         stages = [s for s, r in enumerate(ranks) if r == rank]
-        if schedule == "gpipe":
+        if schedule == "gpipe" or (schedule == "1f1b" and m < pp):
+            # 1F1B on fewer microbatches than stages: torch refuses it, the runtime runs
+            # GPipe (`runtime.pipeline_model._make_schedule`)
             st = stages[0]
             orders.append([("F", st, i) for i in range(m)] + [("B", st, i) for i in range(m)])
             continue
@@ -124,11 +127,33 @@ def weight_gradient_work(ctx, n: fx.Node, s) -> tuple[float, float]:
     return ctx.forward_time(n, s), float(nbytes)
 
 
+def microbatch_rows(rows: int, microbatches: int) -> tuple[int, ...]:
+    """The rows of each microbatch of a batch of `rows`, as `torch.tensor_split` cuts it
+    (and torch.distributed.pipelining): exactly `microbatches` pieces, the first
+    `rows % microbatches` one row larger (`torch.chunk` could give fewer: 5 rows in 4 are
+    2, 2, 1). The largest, `ceil(rows / microbatches)` rows, is the one captured and priced."""
+    if not 1 <= microbatches <= rows:
+        raise ValueError(
+            f"microbatches={microbatches} cannot split a batch of {rows} rows: give a count "
+            f"from 1 to {rows}"
+        )
+    size, extra = divmod(rows, microbatches)
+    return (size + 1,) * extra + (size,) * (microbatches - extra)
+
+
+def microbatch_groups(rows: int, microbatches: int) -> tuple[int, ...]:
+    """How many microbatches of each size, largest first: one count when the batch
+    divides, else two. The runtime runs each group as one schedule step, one after the
+    other (a stage program has one shape), and `simulate` prices them so."""
+    sizes = microbatch_rows(rows, microbatches)
+    return tuple(sizes.count(n) for n in sorted(set(sizes), reverse=True))
+
+
 def simulate(
     schedule: str,
     fwd: list[float],
     bwd: list[float],
-    microbatches: int,
+    microbatches: int | tuple[int, ...],
     pp: int,
     p2p: float = 0.0,
     wgrad: list[float] | None = None,
@@ -136,13 +161,22 @@ def simulate(
 ) -> Timeline:
     """List-schedule the actions; `fwd`/`bwd`: per stage, seconds per microbatch; `wgrad`:
     the part of `bwd` a zero-bubble schedule runs at W (default none); `stash`: the
-    fraction of a microbatch's activations held from I to W (default 1)."""
+    fraction of a microbatch's activations held from I to W (default 1). `microbatches`
+    may be a tuple of group counts (`microbatch_groups`): each rank runs the groups'
+    schedules one after the other, every microbatch priced at the largest one's times."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule '{schedule}'; choose from {sorted(SCHEDULES)}")
-    if SCHEDULES[schedule] == 1:
-        orders = [[(k, s, i) for k, s, i in o] for o in _orders(schedule, pp, microbatches)]
-    else:
-        orders = [[a for step in o for a in step] for o in torch_order(schedule, pp, microbatches)]
+    groups = (microbatches,) if isinstance(microbatches, int) else tuple(microbatches)
+    orders: list[list[tuple[str, int, int]]] = [[] for _ in range(pp)]
+    first = 0  # the group's first microbatch index
+    for count in groups:
+        if SCHEDULES[schedule] == 1:
+            group = _orders(schedule, pp, count)
+        else:
+            group = [[a for step in o for a in step] for o in torch_order(schedule, pp, count)]
+        for rank, order in enumerate(group):
+            orders[rank] += [(k, s, first + i) for k, s, i in order]
+        first += count
     return replay(orders, fwd, bwd, stage_ranks(schedule, pp), p2p, schedule, wgrad, stash)
 
 

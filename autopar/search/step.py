@@ -25,12 +25,27 @@ for `w` layers (`CostWeights.layer`) appears round(w) times, its times scaled by
 w / round(w). Without any collective the prediction equals the objective (same node
 prices); with collectives it never exceeds it (tests/test_cost_model_invariants.py).
 
+Issue order: the pass keeps the traced order of the collectives among themselves (each is
+issued after the one traced before it, `passes.comm`). A layer's forward gather is traced
+after the previous part's forward activation collectives (TP all-reduces, issued where
+they were lowered), so its prefetch goes out no earlier than the last of them and hides
+only under the forward compute after it (`Part.tail`; the part's whole forward when it
+has none): `prefetch_exposure` of the gathers over those computes. In backward the
+gradient buckets are priced ready at the end of the layer where their last member stands,
+after every collective traced in that layer (its re-gather, its activation collectives),
+and go out in that (traced) order on one channel (`serial_exposure`), so no bucket is
+priced as issued before a collective traced ahead of it; the activation collectives are
+waited at once.
+
 This is the step time of a non-pipelined plan: `IntraOpResult.step_time`, by which the search
 ranks its candidates (`intra_op.solve_intra`) and which `Plan.predicted_step_time` reports;
 the ILP's objective is kept as ``ilp_step_time_bound`` in the plan's search info. Pipelines
-are priced by the schedule simulator (`inter_op`): their stage programs run no
-communication pass, so every collective there is waited at once, as the ILP prices it.
-`program_comm` says which pass a plan's program runs: none where a shard is uneven.
+are priced by the schedule simulator (`inter_op`), each stage's microbatch as its programs
+run with the pass (`overlapped_time` of the stage's parts with the gradient collectives
+its backward program runs: a sharded parameter's reduce-scatter, every microbatch; the
+replicated parameters' all-reduces run once per step, after the schedule,
+`inter_op.reduced_per_step`). `program_comm` says which pass
+a plan's program runs: `comm` for every plan, uneven shards included (`passes.comm`).
 """
 
 from __future__ import annotations
@@ -39,13 +54,16 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from autopar.capture import Captured
 from autopar.capture.analysis import layer_order
 from autopar.capture.export import layer_of
-from autopar.cost_models.buckets import Grad, collective_times, overlapped_step
-from autopar.passes.strategies.spec import is_valid_spec
+from autopar.cluster import Cluster
+from autopar.cost_models.buckets import (
+    Grad,
+    collective_times,
+    overlapped_step,
+    prefetch_exposure,
+)
 from autopar.plan import DEFAULT_COMM, CommPlan
 
 if TYPE_CHECKING:  # intra_op imports this module
@@ -56,11 +74,16 @@ if TYPE_CHECKING:  # intra_op imports this module
 
 
 @dataclass(slots=True)
-class _Part:
+class Part:
+    """What a part of the graph (before the layers, one layer, after them) runs, seconds."""
+
     forward: float = 0.0
     backward: float = 0.0
     gather: float = 0.0  # as the ILP prices them (only to tell infeasible from feasible)
     exposed: float = 0.0
+    # forward compute after the part's last forward activation collective (None: it has
+    # none): all the next part's gather can be prefetched under (issue order, module doc)
+    tail: float | None = None
     weight: float = 1.0
     gathers: list[Grad] = field(default_factory=list)
     regathers: list[Grad] = field(default_factory=list)
@@ -71,9 +94,14 @@ def predicted_step_time(
     captured: Captured, result: IntraOpResult, comm: CommPlan | None = DEFAULT_COMM
 ) -> float:
     """Seconds per step of `result`'s plan as the runtime runs it with `comm` (module doc)."""
+    return overlapped_time(program_parts(captured, result), result.ctx.cluster, comm)
+
+
+def program_parts(captured: Captured, result: IntraOpResult) -> list[Part]:
+    """The parts in execution order: before the first layer, each layer, after the last."""
     names = layer_order(captured)
     index = {name: i + 1 for i, name in enumerate(names)}
-    parts = [_Part() for _ in range(len(names) + 2)]
+    parts = [Part() for _ in range(len(names) + 2)]
     seen = False
     for n in captured.gm.graph.nodes:
         if n not in result.chosen or n.op == "output":
@@ -83,11 +111,15 @@ def predicted_step_time(
         i = index[layer] if layer is not None else (len(parts) - 1 if seen else 0)
         parts[i].weight = result.ctx.weights.of(n)
         _add_node(parts[i], n, result)
+    return parts
+
+
+def overlapped_time(parts: list[Part], cluster: Cluster, comm: CommPlan | None) -> float:
+    """Seconds of the program of `parts` with `comm`'s overlap (module doc)."""
     values = [v for p in parts for v in (p.forward, p.backward, p.gather, p.exposed)]
     if not all(math.isfinite(v) for v in values):
         return math.inf
-    cluster = result.ctx.cluster
-    fwd, bwd, gat, reg, grads, exposed = [], [], [], [], [], 0.0
+    fwd, hide, bwd, gat, reg, reductions, exposed = [], [], [], [], [], [], 0.0
     for p in parts:
         copies = max(1, round(p.weight))
         k = p.weight / copies
@@ -97,19 +129,23 @@ def predicted_step_time(
         regather = collective_times(_scaled(p.regathers, k), cluster, fused)
         for _ in range(copies):
             fwd.append(p.forward * k)
+            hide.append(p.forward * k if p.tail is None else p.tail * k)
             bwd.append(p.backward * k)
             gat.append(gather)
             reg.append(regather)
-            grads.append(scaled)
+            reductions.append(scaled)
         exposed += p.exposed * p.weight
-    return overlapped_step(fwd, bwd, gat, reg, grads, cluster, exposed, comm)
+    if comm is not None and comm.overlap:  # the forward's gathers, prefetched in issue order
+        exposed += prefetch_exposure(gat, hide)
+        gat = [0.0] * len(gat)
+    return overlapped_step(fwd, bwd, gat, reg, reductions, cluster, exposed, comm)
 
 
 def _scaled(grads: list[Grad], k: float) -> list[Grad]:
     return [(key, kind, axis, b * k) for key, kind, axis, b in grads]
 
 
-def _add_node(part: _Part, n, result: IntraOpResult) -> None:
+def _add_node(part: Part, n, result: IntraOpResult) -> None:
     """`IntraOpResult.node_times`, split into what overlaps and what is waited at once."""
     ctx, s = result.ctx, result.chosen[n]
     forward = ctx.forward_time(n, s)
@@ -120,6 +156,7 @@ def _add_node(part: _Part, n, result: IntraOpResult) -> None:
     full = again and result.recompute.get(layer_of(n)) == "full"
     part.forward += forward
     part.backward += backward
+    activation_collective = False
     for pos, op in ctx.operands(n):
         src = ctx.output_spec(op, result.chosen[op.producer])
         fwd, bwd = ctx.edge_parts(op, src, n, s, pos)
@@ -132,26 +169,19 @@ def _add_node(part: _Part, n, result: IntraOpResult) -> None:
             part.grads += ctx.grad_reductions(op, src, n, s, pos)
         else:
             part.exposed += fwd + bwd + (fwd if full else 0.0)
+            activation_collective = activation_collective or fwd > 0
+    # the collective runs before `n`: `n`'s forward is the first after it
+    if activation_collective or part.tail is not None:
+        part.tail = forward + (0.0 if activation_collective else part.tail)
 
 
 def program_comm(
     chosen: dict[fx.Node, NodeStrategy], mesh_shape: tuple[int, ...], comm: CommPlan | None
 ) -> CommPlan | None:
-    """`comm`, or None (no communication pass) when some tensor of the plan is sharded
-    unevenly. Uneven shards make the per-rank programs differ between peers (DTensor pads
-    and narrows on some ranks only), and the pass's re-ordering (early issue, prefetch,
-    buckets by bytes) of different graphs can issue one group's collectives in different
-    orders on different ranks: a hang. Every collective then runs where it was traced (the
-    same order on every rank), and the step is priced so (every collective waited at
-    once: the ILP objective)."""
-    if comm is None:
-        return None
-    for n, s in chosen.items():
-        vals = n.meta.get("val")
-        vals = vals if isinstance(vals, (tuple, list)) else (vals,)
-        for spec, val in zip(s.outputs, vals, strict=False):
-            if spec is None or not isinstance(val, torch.Tensor):
-                continue
-            if not is_valid_spec(spec, val.shape, mesh_shape, even=True, storage=True):
-                return None
+    """The communication pass the program of `chosen` runs: `comm`, whatever its shards.
+    Uneven shards make the per-rank programs differ between peers (DTensor pads and narrows
+    on some ranks only); the pass decides its buckets from what every peer's program has
+    alike and keeps the traced issue order of the collectives (`passes.comm`), so peers
+    issue one group's collectives in one order even then (no hang: tests/test_uneven.py)."""
+    del chosen, mesh_shape  # every plan runs the pass (kept: the search's one place to ask)
     return comm

@@ -194,7 +194,7 @@ def plan_from_template(
             info,
             priced=priced,
             memory=memory,
-            comm=result.comm if pipeline is None else None,
+            comm=result.comm,
         )
         if pipeline is not None:
             plan = replace(plan, pipeline=pipeline_plan(full, cluster, pipeline, best))

@@ -112,7 +112,7 @@ def step_text(plan: Plan) -> str:
     """The predicted step, what the program does with its collectives, and the ILP's bound."""
     c, bound = plan.comm, plan.solver.get("ilp_step_time_bound")
     if plan.pipeline is not None:
-        how = "pipeline schedule"
+        how = _pipeline_step(plan)
     elif c is None:
         how = "collectives waited at once"
     else:
@@ -124,6 +124,24 @@ def step_text(plan: Plan) -> str:
         how = f"{buckets}, {'overlapped' if c.overlap else 'waited at once'}"
     extra = "" if bound is None else f"; ILP bound {bound * 1e3:.3f} ms"
     return f"{plan.predicted_step_time * 1e3:.3f} ms (predicted: {how}{extra})"
+
+
+def _pipeline_step(plan: Plan) -> str:
+    """What a pipelined step is made of: the schedule over the microbatches, each stage's
+    microbatch (forward + backward, as its programs run with the communication pass) and
+    the gradient reduction after the schedule (`search.inter_op.PricedSchedule.info`)."""
+    p, s = plan.pipeline, plan.solver
+    overlap = "overlapped" if plan.comm is not None and plan.comm.overlap else "waited at once"
+    text = f"{p.schedule} schedule over {p.microbatches} microbatches"
+    times = s.get("stage_times")
+    if times:
+        ms = ", ".join(f"{t * 1e3:.3f}" for t in times)
+        text += f"; stage microbatch fwd+bwd [{ms}] ms, collectives {overlap}"
+    if s.get("bubble") is not None:
+        text += f"; bubble {100 * s['bubble']:.1f}%"
+    if s.get("gradient_sync") is not None:
+        text += f"; gradient sync after the schedule {s['gradient_sync'] * 1e3:.3f} ms"
+    return text
 
 
 def _solver_text(s: dict) -> str:
