@@ -68,10 +68,12 @@ compute that follows its last gradient; the last bucket is exposed. Memory
 them at the concatenation (in a stage's backward program too); a layer's fused gather makes
 all its members when the first is needed (flat result alive while they are copied out).
 A pipeline stage (`search.inter_op.stage_time`): each microbatch's programs priced as
-`search.step` prices a step, without the gradient reductions, priced once per step after
-the schedule (as `runtime.pipeline.sync_gradients` runs them; an fsdp stage's
-reduce-scatters, which run in every microbatch's backward, too). Not priced: a forward
-gather's flat result issued one layer ahead (alive during the previous layer's forward).
+`search.step` prices a step, an fsdp stage's gradient reduce-scatters (which run in every
+microbatch's backward) included, bucketed behind the backward; replicated parameters'
+all-reduces are priced once per step after the schedule (as
+`runtime.pipeline.sync_gradients` runs them). Stage cuts balance these same stage times.
+Not priced: a forward gather's flat result issued one layer ahead (alive during the
+previous layer's forward).
 """
 
 from __future__ import annotations

@@ -38,8 +38,9 @@ selected output of a multi-output producer, for a getitem).
 Weights (`CostWeights`) say how often the graph's parts count in the ILP objective and
 memory: a captured *template* of a few layers stands for all of them (`layer`, per layer
 name), activations are held for several in-flight microbatches under a pipeline
-(`activation`), and parameter-gradient reductions run once per step, not once per
-microbatch (`sync` = 1 / microbatches). The raw per-node figures stay unweighted.
+(`activation`), and the all-reduces of replicated parameters' gradients run once per step,
+not once per microbatch (`sync` = 1 / microbatches; `sync_weight`: a sharded parameter's
+reduce-scatter runs per microbatch). The raw per-node figures stay unweighted.
 """
 
 from __future__ import annotations
@@ -281,8 +282,18 @@ class CostContext:
     def weighted_edge_cost(self, op: Operand, src, v: fx.Node, s: NodeStrategy, pos: int):
         """The edge as the ILP counts it: gradient sync scaled by `CostWeights.sync`."""
         fwd, bwd = self.edge_parts(op, src, v, s, pos)
-        sync = self.weights.sync if self.is_weight(op.producer) else 1.0
-        return self.weights.of(v) * (fwd + sync * bwd)
+        return self.weights.of(v) * (fwd + self.sync_weight(op, src) * bwd)
+
+    def sync_weight(self, op: Operand, src) -> float:
+        """How often the backward part of an edge reading `op` (spec `src`) counts per
+        microbatch: a weight's gradient stored replicated is all-reduced once per step
+        (`CostWeights.sync`), one stored sharded is reduce-scattered in every
+        microbatch's backward (the pipeline runtime's `sync_gradients` defers only
+        replicated axes; an HSDP weight is counted at the per-microbatch rate)."""
+        if not self.is_weight(op.producer):
+            return 1.0
+        sharded = src is not None and any(p.is_shard() for p in src)
+        return 1.0 if sharded else self.weights.sync
 
     def edge_parts(self, op: Operand, src, v: fx.Node, s: NodeStrategy, pos: int):
         """(forward reshard, backward gradient reshard) in seconds of the value `op` reads

@@ -172,7 +172,7 @@ def plan_from_template(
     else:
         result, best, schedules = solve_on_template(template, cluster, mesh, options, pipeline)
         step, peak = best.step_time, best.peak_memory
-        extra = {"schedules": schedules, "bubble": best.timeline.bubble}
+        extra = {"schedules": schedules, **best.info()}
     with phase("assembly"):
         chosen = {n: result.chosen[t] for n, t in nodes.items() if t in result.chosen}
         priced = frozenset(n for n, t in nodes.items() if t in result.priced)
