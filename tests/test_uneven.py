@@ -145,6 +145,20 @@ def test_microbatch_count_need_not_divide_the_batch() -> None:
     assert any(k.startswith("pp2 ") and " m3" in k for k in tried), tried  # 3, 2, 2 rows
 
 
+def _two_stages_over_fsdp(rows: int, microbatches: int) -> ParityCase:
+    return ParityCase(
+        SOURCE,
+        (2, 2),
+        ("pp", "dp"),
+        "fsdp",
+        config="vocab97",
+        batch_size=rows,
+        schedule="1f1b",
+        microbatches=microbatches,
+        steps=STEPS,
+    )
+
+
 CASES = [  # batches of 6 on dp=4 (2, 2, 2, 0 rows), 7 on dp=2 (4, 3 rows)
     ParityCase(SOURCE, (4,), ("dp",), "fsdp", config="vocab97", batch_size=6, steps=STEPS),
     # a vocabulary and a batch of 3 on dp=4: shards of 1, 1, 1, 0 rows
@@ -154,30 +168,10 @@ CASES = [  # batches of 6 on dp=4 (2, 2, 2, 0 rows), 7 on dp=2 (4, 3 rows)
         SOURCE, (2, 2), ("dp", "tp"), ("dp", "tp"), config="vocab97", batch_size=7, steps=STEPS
     ),
     # two stages, two microbatches of 3 rows, each split 2 + 1 over dp=2
-    ParityCase(
-        SOURCE,
-        (2, 2),
-        ("pp", "dp"),
-        "fsdp",
-        config="vocab97",
-        batch_size=6,
-        schedule="1f1b",
-        microbatches=2,
-        steps=STEPS,
-    ),
+    _two_stages_over_fsdp(rows=6, microbatches=2),
     # 7 rows in 3 microbatches: 3, 2, 2 (split 2 + 1, 1 + 1 over dp=2), run as two schedule
     # steps (one microbatch, then two), each microbatch's loss weighted by its rows
-    ParityCase(
-        SOURCE,
-        (2, 2),
-        ("pp", "dp"),
-        "fsdp",
-        config="vocab97",
-        batch_size=7,
-        schedule="1f1b",
-        microbatches=3,
-        steps=STEPS,
-    ),
+    _two_stages_over_fsdp(rows=7, microbatches=3),
 ]
 
 

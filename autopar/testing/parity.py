@@ -69,7 +69,10 @@ class ParityCase:
     def label(self) -> str:
         strat = self.strategy if isinstance(self.strategy, str) else "x".join(self.strategy)
         label = f"{self.sample}-{'x'.join(map(str, self.mesh))}-{'x'.join(self.axis_names)}-{strat}"
+        label += f"-{self.config}" if self.config != "tiny" else ""
+        label += f"-b{self.batch_size}" if self.batch_size != 8 else ""
         label += f"-{self.schedule}" if self.schedule else ""
+        label += f"-m{self.microbatches}" if self.microbatches else ""
         label += f"-fused-{self.fusion}" if self.fusion != "none" else ""
         if self.memory is not None:
             policies = sorted({p for _, p in self.memory.recompute})
