@@ -221,6 +221,24 @@ def no_dtensor_redistribute_costs() -> Iterator[None]:
             m.generate_redistribute_costs = fn
 
 
+@contextlib.contextmanager
+def cached_sharding_propagation() -> Iterator[None]:
+    """Within the context, DTensor reuses its cached sharding propagations while a graph is
+    being traced (make_fx), as it does in eager mode.
+
+    DTensor skips its cache under tracing because symbolic shapes must not be specialised;
+    autopar's lowering traces with static fake shapes, where the cached answer is the same,
+    and recomputing it for every op was a third of the lowering's time."""
+    from torch.distributed.tensor import _sharding_prop
+
+    saved = _sharding_prop._are_we_tracing
+    _sharding_prop._are_we_tracing = lambda: False
+    try:
+        yield
+    finally:
+        _sharding_prop._are_we_tracing = saved
+
+
 # ------------------------------------------------------------------ DTensor tensors
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 _BUILD = Path(__file__).resolve().parent.parent / "build" / "tmp"
@@ -17,3 +18,13 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_BUILD / "inductor"))
 # `import triton` anywhere in the session (see autopar/kernels/_triton.py).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kept_parity_ranks():
+    """One set of rank processes per world size for every parity run of the session
+    (`autopar.testing.rank_pool`): spawning ranks costs more than most cases."""
+    from autopar.testing.rank_pool import kept_ranks
+
+    with kept_ranks():
+        yield

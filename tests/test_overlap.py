@@ -12,15 +12,11 @@ ring's summation order depends on an element's offset in the buffer).
 from __future__ import annotations
 
 import functools
-import json
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import autopar
 from autopar._compat import FakeStore
@@ -31,7 +27,8 @@ from autopar.passes.comm import ALL_GATHER, OFF, UNPACK, VIEWS, WAITS, CommOptio
 from autopar.passes.recompute import is_backward, layer_of
 from autopar.planning import plan_for_ranks
 from autopar.runtime.parallel_model import ParallelModel
-from autopar.testing.parity import LR, _free_port, init_rank, test_backend
+from autopar.testing.parity import LR, test_backend
+from autopar.testing.rank_pool import on_ranks
 from autopar.testing.reference import train_single_device
 
 STEPS = 2
@@ -226,53 +223,46 @@ def _train(model, batch, plan, captured, mesh, comm) -> tuple[list[float], list[
     return losses, grads, pm
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, backend: str) -> None:
-    init_rank(rank, world, port, backend)
+def _rank_report() -> list[dict]:
     report = []
-    try:
-        for sample, mesh_shape, names, strategy in RUNS:
-            model, batch = load_model(sample, "tiny", 8, seed=0)
-            ref = train_single_device(model, batch, STEPS)
-            cluster = autopar.Cluster.local(mesh=mesh_shape, axis_names=names)
-            plan, captured, mesh = plan_for_ranks(
-                model, batch, cluster, None, PlanOptions(strategy=strategy), None
-            )
-            # scheduling changes no number: bucketed without and with the overlap
-            unscheduled = CommOptions(overlap=False)
-            off_losses, off_grads, _ = _train(model, batch, plan, captured, mesh, unscheduled)
-            losses, grads, pm = _train(model, batch, plan, captured, mesh, CommOptions())
-            same = losses == off_losses and all(
-                torch.equal(a[k], b[k]) for a, b in zip(grads, off_grads, strict=True) for k in a
-            )
-            grad_err = max(
-                (g - pm.expected_grad(k, ref.grads[s][k])).abs().max().item()
-                / (ref.grads[s][k].abs().max().item() + 1e-12)
-                for s, step in enumerate(grads)
-                for k, g in step.items()
-            )
-            loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref.losses, strict=True))
-            report.append(
-                {
-                    "run": f"{sample}-{names}-{strategy}",
-                    "bitwise": same,
-                    "grad_err": grad_err,
-                    "loss_err": loss_err,
-                    "collectives": len(_starts(pm.program.gm)),
-                }
-            )
-            dist.barrier()
-    finally:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
-        dist.destroy_process_group()
+    for sample, mesh_shape, names, strategy in RUNS:
+        model, batch = load_model(sample, "tiny", 8, seed=0)
+        ref = train_single_device(model, batch, STEPS)
+        cluster = autopar.Cluster.local(mesh=mesh_shape, axis_names=names)
+        plan, captured, mesh = plan_for_ranks(
+            model, batch, cluster, None, PlanOptions(strategy=strategy), None
+        )
+        # scheduling changes no number: bucketed without and with the overlap
+        unscheduled = CommOptions(overlap=False)
+        off_losses, off_grads, _ = _train(model, batch, plan, captured, mesh, unscheduled)
+        losses, grads, pm = _train(model, batch, plan, captured, mesh, CommOptions())
+        same = losses == off_losses and all(
+            torch.equal(a[k], b[k]) for a, b in zip(grads, off_grads, strict=True) for k in a
+        )
+        grad_err = max(
+            (g - pm.expected_grad(k, ref.grads[s][k])).abs().max().item()
+            / (ref.grads[s][k].abs().max().item() + 1e-12)
+            for s, step in enumerate(grads)
+            for k, g in step.items()
+        )
+        loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref.losses, strict=True))
+        report.append(
+            {
+                "run": f"{sample}-{names}-{strategy}",
+                "bitwise": same,
+                "grad_err": grad_err,
+                "loss_err": loss_err,
+                "collectives": len(_starts(pm.program.gm)),
+            }
+        )
+        dist.barrier()
+    return report
 
 
+@pytest.mark.multiproc
 def test_pass_changes_no_number() -> None:
     world = 4
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(
-            _worker, args=(world, _free_port(), tmp, test_backend(world)), nprocs=world, join=True
-        )
-        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+    ranks = on_ranks(world, test_backend(world), _rank_report)
     assert all(len(r) == len(RUNS) for r in ranks), ranks
     for rows in zip(*ranks, strict=True):
         for row in rows:

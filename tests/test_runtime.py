@@ -2,33 +2,26 @@
 
 from __future__ import annotations
 
-import os
 import traceback
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import autopar
 from autopar.cli.sources import load_model
-from autopar.testing.parity import _free_port
+from autopar.testing.rank_pool import on_ranks
 
 
 def _spawn(fn, world: int, tmp_path: Path) -> list[str]:
-    mp.spawn(_entry, args=(fn, world, _free_port(), str(tmp_path)), nprocs=world, join=True)
-    return [(tmp_path / f"rank{r}.txt").read_text() for r in range(world)]
+    return on_ranks(world, "gloo", _entry, fn, str(tmp_path))
 
 
-def _entry(rank: int, fn, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _entry(fn, out: str) -> str:
     try:
-        text = fn(rank, Path(out))
+        return fn(dist.get_rank(), Path(out))
     except Exception:
-        text = "ERROR " + traceback.format_exc()
-    Path(out, f"rank{rank}.txt").write_text(text)
-    dist.destroy_process_group()
+        return "ERROR " + traceback.format_exc()
 
 
 def _gpt():

@@ -35,7 +35,13 @@ import torch.fx.traceback as fx_traceback
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from autopar._compat import local_tensor, make_fx, tree_flatten, tree_unflatten
+from autopar._compat import (
+    cached_sharding_propagation,
+    local_tensor,
+    make_fx,
+    tree_flatten,
+    tree_unflatten,
+)
 from autopar.capture import Captured
 from autopar.capture.export import layer_of
 from autopar.passes.comm import CommOptions, optimize_comm, options_of
@@ -228,7 +234,7 @@ def lower_plan(
         return (loss.detach(), *grads, *new_buffers)
 
     examples = [example_locals[n] for n in order + extras]
-    with fx_traceback.preserve_node_meta():
+    with fx_traceback.preserve_node_meta(), cached_sharding_propagation():
         gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=False)(*examples)
     gm = recompute_activations(gm, plan.memory, _placeholder_names(gm, order, inputs))
     optimize_comm(gm, comm)

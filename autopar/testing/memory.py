@@ -12,20 +12,16 @@ Used by `benchmarks/bench_memory.py` and `tests/test_memory_prediction.py`.
 
 from __future__ import annotations
 
-import json
-import tempfile
 import traceback
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from autopar.cli.sources import load_model
-from autopar.devices import free_port, init_rank
 from autopar.runtime.memory_stats import CATEGORIES
 from autopar.testing.parity import shared_capture, test_backend
+from autopar.testing.rank_pool import on_ranks
 from autopar.testing.reference import LR
 
 
@@ -64,14 +60,7 @@ class RankMemory:
 def run_memory(cases: list[MemoryCase], world_size: int) -> list[list[RankMemory]]:
     """Per case, every rank's `RankMemory` (rank order)."""
     backend = test_backend(world_size)  # NCCL with a GPU per rank, else gloo
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(
-            _worker,
-            args=(world_size, free_port(), [asdict(c) for c in cases], tmp, backend),
-            nprocs=world_size,
-            join=True,
-        )
-        per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)]
+    per_rank = on_ranks(world_size, backend, rank_memory, [asdict(c) for c in cases])
     return [[RankMemory(**rank[i]) for rank in per_rank] for i in range(len(cases))]
 
 
@@ -88,25 +77,23 @@ def _case(raw: dict) -> MemoryCase:
     )
 
 
-def _worker(
-    rank: int, world: int, port: int, cases: list[dict], out_dir: str, backend: str = "gloo"
-) -> None:
-    init_rank(rank, world, port, backend)
-    results, captures = [], {}
-    try:
-        for raw in cases:
-            case = _case(raw)
-            fused = dict(case.options).get("fusion", "none") != "none"  # rewrites its graph
-            source = None if fused else (case.sample, case.config, case.batch_size)
-            try:
-                with shared_capture(captures, source):  # cases of one model: one capture
-                    results.append(asdict(measure_case(case)))
-            except Exception:
-                results.append(asdict(RankMemory(case.label, rank, error=traceback.format_exc())))
-            dist.barrier()
-    finally:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-        dist.destroy_process_group()
+def rank_memory(cases: list[dict]) -> list[dict]:
+    """This rank's `RankMemory` for each case (as dicts), in order."""
+    results, rank = [], dist.get_rank()
+    for raw in cases:
+        case = _case(raw)
+        fused = dict(case.options).get("fusion", "none") != "none"  # rewrites its graph
+        source = None if fused else (case.sample, case.config, case.batch_size)
+        try:
+            with shared_capture(_CAPTURES, source):  # cases of one model: one capture
+                results.append(asdict(measure_case(case)))
+        except Exception:
+            results.append(asdict(RankMemory(case.label, rank, error=traceback.format_exc())))
+        dist.barrier()
+    return results
+
+
+_CAPTURES: dict = {}  # lives as long as the rank process
 
 
 def measure_case(case: MemoryCase) -> RankMemory:

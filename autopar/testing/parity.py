@@ -23,25 +23,21 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import faulthandler
-import json
 import os
-import tempfile
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from unittest import mock
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from autopar import planning
 from autopar.cli.sources import load_model
-from autopar.devices import choose_backend, free_port, init_rank, process_group_device
+from autopar.devices import choose_backend, free_port, process_group_device
 from autopar.plan import MemoryPlan, Plan
+from autopar.testing.rank_pool import on_ranks
 from autopar.testing.reference import LR, grads_at, train_single_device
 
 
@@ -126,18 +122,11 @@ test_backend.__test__ = False  # a helper, not a pytest test
 def run_parity(
     cases: list[ParityCase], world_size: int, backend: str | None = None
 ) -> list[ParityResult]:
-    """Run every case on `world_size` spawned ranks of `backend` (default `test_backend`);
-    rank results merged (worst)."""
+    """Run every case on `world_size` ranks of `backend` (default `test_backend`;
+    `testing.rank_pool`: spawned for this call, or kept alive by the test session); rank
+    results merged (worst)."""
     backend = backend or test_backend(world_size)
-    with tempfile.TemporaryDirectory() as tmp:
-        port = free_port()
-        mp.spawn(
-            _worker,
-            args=(world_size, port, [asdict(c) for c in cases], tmp, backend),
-            nprocs=world_size,
-            join=True,
-        )
-        per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world_size)]
+    per_rank = on_ranks(world_size, backend, rank_results, [asdict(c) for c in cases])
     return [_merge([ParityResult(**rank[i]) for rank in per_rank]) for i in range(len(cases))]
 
 
@@ -152,34 +141,37 @@ def _merge(results: list[ParityResult]) -> ParityResult:
     return out
 
 
-def _worker(
-    rank: int, world: int, port: int, cases: list[dict], out_dir: str, backend: str = "gloo"
-) -> None:
-    faulthandler.enable()  # a native crash on a rank prints every thread's Python stack
-    init_rank(rank, world, port, backend)
-    results, captures, plans = [], {}, {}
-    try:
-        for raw in cases:
-            case = ParityCase(
-                **{
-                    **raw,
-                    "mesh": tuple(raw["mesh"]),
-                    "axis_names": tuple(raw["axis_names"]),
-                    "strategy": raw["strategy"]
-                    if isinstance(raw["strategy"], str)
-                    else tuple(raw["strategy"]),
-                    "memory": MemoryPlan.from_dict(raw["memory"]) if raw.get("memory") else None,
-                }
-            )
-            try:
-                with shared_capture(captures, source_key(case)):
-                    results.append(asdict(run_case(case, plans)))
-            except Exception:
-                results.append(asdict(ParityResult(case.label, error=traceback.format_exc())))
-            dist.barrier()
-    finally:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-        dist.destroy_process_group()
+_CAPTURES: dict = {}  # shared_capture's cache: lives as long as the rank process
+
+
+def rank_results(cases: list[dict]) -> list[dict]:
+    """This rank's results for `cases` (`asdict(ParityCase)`), in order; a case that raises
+    gives a result with its traceback."""
+    return run_cases(cases, _CAPTURES)
+
+
+def run_cases(cases: list[dict], captures: dict) -> list[dict]:
+    """`rank_results` with `captures` as `shared_capture`'s cache."""
+    results, plans = [], {}
+    for raw in cases:
+        case = ParityCase(
+            **{
+                **raw,
+                "mesh": tuple(raw["mesh"]),
+                "axis_names": tuple(raw["axis_names"]),
+                "strategy": raw["strategy"]
+                if isinstance(raw["strategy"], str)
+                else tuple(raw["strategy"]),
+                "memory": MemoryPlan.from_dict(raw["memory"]) if raw.get("memory") else None,
+            }
+        )
+        try:
+            with shared_capture(captures, source_key(case)):
+                results.append(asdict(run_case(case, plans)))
+        except Exception:
+            results.append(asdict(ParityResult(case.label, error=traceback.format_exc())))
+        dist.barrier()
+    return results
 
 
 def source_key(case: ParityCase) -> tuple | None:
