@@ -31,7 +31,7 @@ RUNS = [  # (world, mesh, axis names, stage strategy, {sample: schedules})
         (2, 2, 2),
         ("pp", "dp", "tp"),
         ("dp", "tp"),
-        {"gpt": ("zbv",), "llama": ("interleaved1f1b",)},
+        {"gpt": ("zbv",), "llama": ()},  # 8 ranks on CI's 2 cores: one case
     ),
 ]
 
