@@ -47,7 +47,11 @@ from autopar.search.peak import with_predicted_memory
 from autopar.search.pins import SearchOptions
 from autopar.search.progress import phase
 from autopar.search.schedules import microbatch_rows
-from autopar.search.template_plan import plan_from_template, solve_on_template
+from autopar.search.template_plan import (
+    plan_from_template,
+    solve_on_template,
+    template_applies,
+)
 
 
 @dataclass(frozen=True)
@@ -110,8 +114,8 @@ class PlanJob:
         `Template.solved` for `search`), so that a model no plan fits fails in seconds:
         the full capture of an 80-block model takes ~40 s."""
         options = SearchOptions.from_options(self.options)
-        if not options.share_layers or options.placements:
-            return  # planned on the full graph (plan_from_template's conditions)
+        if not template_applies(options):
+            return
         with fake_group(self.cluster.world_size):
             mesh = shape_only_mesh("cpu", self.cluster.mesh_shape, self.cluster.axis_names)
             solve_on_template(template, self.cluster, mesh, options, self.pipeline)

@@ -58,9 +58,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autopar  # noqa: E402
 from autopar.cli.sources import load_model  # noqa: E402
+from autopar.devices import free_port  # noqa: E402
 from autopar.passes.comm import OFF as COMM_OFF  # noqa: E402
 from autopar.runtime.parallel_model import ParallelModel  # noqa: E402
-from autopar.testing.parity import _free_port  # noqa: E402
 from autopar.testing.reference import LR  # noqa: E402
 from autopar.views.bench import write_rows_csv  # noqa: E402
 
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.sample}/{args.config}, batch {args.batch}, {WORLD} gloo processes, "
           f"{args.warmup} warmup + {args.steps} timed steps")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(WORLD, _free_port(), args, tmp), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(WORLD, free_port(), args, tmp), nprocs=WORLD, join=True)
         results = json.loads(Path(tmp, "results.json").read_text())
     rows = rows_of(results, args)
     print_table(rows)

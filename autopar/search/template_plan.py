@@ -147,6 +147,12 @@ def solve_on_template(
     return found
 
 
+def template_applies(options: SearchOptions) -> bool:
+    """Whether a plan can be solved on a template: not when blocks are decided one by one,
+    nor under placement pins (a pin may name a block the template did not capture)."""
+    return options.share_layers and not options.placements
+
+
 def plan_from_template(
     full: Captured,
     template: Template,
@@ -157,8 +163,8 @@ def plan_from_template(
 ) -> Plan | None:
     """The plan of `full` solved on `template` (None: the graphs do not correspond).
     `cluster` and `mesh` as for `search_plan`, or with the "pp" axis for a pipeline."""
-    if not options.share_layers or options.placements:
-        return None  # blocks decided one by one, or a pin may name a block not captured
+    if not template_applies(options):
+        return None
     tpl = template.captured
     with phase("assembly"):
         nodes = template_nodes(full, tpl)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from autopar.cli.sources import load_model
 from autopar.runtime.memory_stats import CATEGORIES
-from autopar.testing.parity import shared_capture, test_backend
+from autopar.testing.parity import RANK_CAPTURES, shared_capture, test_backend
 from autopar.testing.rank_pool import on_ranks
 from autopar.testing.reference import LR
 
@@ -85,15 +85,12 @@ def rank_memory(cases: list[dict]) -> list[dict]:
         fused = dict(case.options).get("fusion", "none") != "none"  # rewrites its graph
         source = None if fused else (case.sample, case.config, case.batch_size)
         try:
-            with shared_capture(_CAPTURES, source):  # cases of one model: one capture
+            with shared_capture(RANK_CAPTURES, source):  # cases of one model: one capture
                 results.append(asdict(measure_case(case)))
         except Exception:
             results.append(asdict(RankMemory(case.label, rank, error=traceback.format_exc())))
         dist.barrier()
     return results
-
-
-_CAPTURES: dict = {}  # lives as long as the rank process
 
 
 def measure_case(case: MemoryCase) -> RankMemory:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from autopar import planning
 from autopar.cli.sources import load_model
-from autopar.devices import choose_backend, free_port, process_group_device
+from autopar.devices import choose_backend, process_group_device
 from autopar.plan import MemoryPlan, Plan
 from autopar.testing.rank_pool import on_ranks
 from autopar.testing.reference import LR, grads_at, train_single_device
@@ -106,9 +106,6 @@ class ParityResult:
     error: str | None = None
 
 
-_free_port = free_port  # the older name, kept for the tests and benchmarks that import it
-
-
 def test_backend(world_size: int, gpus: int | None = None) -> str:
     """The backend the multi-process tests run on: `AUTOPAR_TEST_BACKEND` (gloo|nccl) if
     set, else NCCL when every rank has a GPU, else gloo (`autopar.devices.choose_backend`)."""
@@ -143,18 +140,13 @@ def _merge(results: list[ParityResult]) -> ParityResult:
 
 # live as long as the rank process: shared_capture's cache, and each case's result (a case
 # is deterministic, and tests share cases: test_recompute's bases are test_parity's runs)
-_CAPTURES: dict = {}
+RANK_CAPTURES: dict = {}
 _RESULTS: dict[ParityCase, dict] = {}
 
 
 def rank_results(cases: list[dict]) -> list[dict]:
     """This rank's results for `cases` (`asdict(ParityCase)`), in order; a case that raises
     gives a result with its traceback."""
-    return run_cases(cases, _CAPTURES)
-
-
-def run_cases(cases: list[dict], captures: dict) -> list[dict]:
-    """`rank_results` with `captures` as `shared_capture`'s cache."""
     results, plans = [], {}
     for raw in cases:
         case = ParityCase(
@@ -172,7 +164,7 @@ def run_cases(cases: list[dict], captures: dict) -> list[dict]:
             results.append(copy.deepcopy(_RESULTS[case]))
             continue
         try:
-            with shared_capture(captures, source_key(case)):
+            with shared_capture(RANK_CAPTURES, source_key(case)):
                 results.append(asdict(run_case(case, plans)))
         except Exception:
             results.append(asdict(ParityResult(case.label, error=traceback.format_exc())))
