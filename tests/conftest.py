@@ -20,6 +20,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist with `--dist loadgroup` (the README's test command), every
+    multi-process test runs in one worker, so they share its kept ranks and their cached
+    results, while the other worker runs the single-process tests on the core the ranks
+    leave idle (rank 0 plans while the others wait)."""
+    for item in items:
+        if item.get_closest_marker("multiproc"):
+            item.add_marker(pytest.mark.xdist_group("ranks"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _kept_parity_ranks():
     """One set of rank processes per world size for every parity run of the session
@@ -28,3 +39,4 @@ def _kept_parity_ranks():
 
     with kept_ranks():
         yield
+

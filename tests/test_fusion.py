@@ -447,4 +447,4 @@ def test_fused_models_train_like_single_device_under_tp_dp() -> None:
         return []
 
     tol = Tolerance(loss=1e-5, grad=1e-4, param=LR * 3)
-    check(cases, run_parity(cases, 4), tol, fused_as_expected)
+    check(cases, run_parity(cases), tol, fused_as_expected)

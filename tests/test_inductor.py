@@ -84,7 +84,7 @@ def test_inductor_step_trains_like_single_device() -> None:
 
     steps = 2
     case = ParityCase("gpt", (2,), ("dp",), "dp", steps=steps, fusion="inductor")
-    (res,) = run_parity([case], 2)
+    (res,) = run_parity([case])
     assert res.error is None, res.error
     line = (
         f"{res.label}: loss {res.loss_rel_err:.1e} grad {res.grad_err:.1e} "
@@ -114,7 +114,7 @@ def test_inductor_pipeline_stages_train_like_single_device() -> None:
         microbatches=2,
         fusion="inductor",
     )
-    (res,) = run_parity([case], 2)
+    (res,) = run_parity([case])
     assert res.error is None, res.error
     line = f"{res.label}: loss {res.loss_rel_err:.1e} grad {res.grad_err:.1e} param {res.param_err:.1e}"
     print(line)

@@ -120,6 +120,7 @@ def test_recompute_keeps_less_than_saving_everything(gpt):
     assert peaks[0] > peaks[1] > peaks[2], peaks
 
 
+@pytest.mark.multiproc
 def test_measured_equals_predicted_on_two_processes():
     """`pm.memory_stats()` of the 2nd step (dp and fsdp, tiny GPT, 2 gloo ranks, one spawn)
     is within 10% of the plan's predicted peak, on every rank."""

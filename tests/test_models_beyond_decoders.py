@@ -82,9 +82,10 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def results():
-    return {r.label: r for r in run_parity(CASES, world_size=4)}
+    return {r.label: r for r in run_parity(CASES)}
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("case", CASES, ids=[c.label.rsplit("/", 1)[-1] for c in CASES])
 def test_parity(case: ParityCase, results) -> None:
     res = results[case.label]
@@ -96,6 +97,7 @@ def test_parity(case: ParityCase, results) -> None:
     assert res.buffer_err <= 1e-5, res  # running statistics and counters
 
 
+@pytest.mark.multiproc
 def test_batch_norm_statistics_are_global(results) -> None:
     """Under data parallelism the statistics are the global batch's (DDP's local ones
     differ), so the running statistics match one device's."""

@@ -62,7 +62,7 @@ def test_pipeline_matches_single_device(world, mesh, names, strategy, schedules)
         # FSDP stages under ZBV: the weight-gradient halves reduce-scatter
         cases += _cases("gpt", mesh, names, "fsdp", ("zbv",))
     failures = []
-    for res in run_parity(cases, world):
+    for res in run_parity(cases):
         if res.error:
             failures.append(f"{res.label}: {res.error}")
             continue

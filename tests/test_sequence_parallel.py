@@ -33,7 +33,7 @@ from autopar.views import axis_roles, summary
 from autopar.views.describe import seq_sharded_norms
 from samples.llama import Llama, LlamaConfig, example_batch
 
-WORLD, STEPS = 4, 3
+STEPS = 3
 TOL = Tolerance(loss=1e-5, grad=1e-5, param=LR * STEPS)  # test_parity's
 
 ENCODER = "tests/test_context_parallel.py:build_encoder"
@@ -75,7 +75,7 @@ def test_long_sequence_tp8_shards_every_norm_on_the_sequence() -> None:
 @pytest.mark.multiproc
 def test_sequence_context_and_expert_parallel_match_single_device() -> None:
     cases = list(CASES)
-    check(cases, run_parity(cases, WORLD), TOL, _expected_roles)
+    check(cases, run_parity(cases), TOL, _expected_roles)
 
 
 def _expected_roles(case: ParityCase, res: ParityResult) -> list[str]:

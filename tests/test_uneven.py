@@ -44,7 +44,6 @@ CONFIGS = {
 }
 SOURCE = f"{Path(__file__).resolve()}:build"
 STEPS = 2
-WORLD = 4
 TOL = Tolerance(loss=1e-5, grad=1e-5, param=LR * STEPS)  # test_parity's
 
 
@@ -177,7 +176,7 @@ CASES = [  # batches of 6 on dp=4 (2, 2, 2, 0 rows), 7 on dp=2 (4, 3 rows)
 
 @pytest.mark.multiproc
 def test_prime_vocabulary_matches_single_device() -> None:
-    check(CASES, run_parity(CASES, WORLD), TOL, _vocabulary_sharded)
+    check(CASES, run_parity(CASES), TOL, _vocabulary_sharded)
 
 
 def _vocabulary_sharded(case: ParityCase, res: ParityResult) -> list[str]:

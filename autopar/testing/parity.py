@@ -1,8 +1,9 @@
 """Parity harness: a compiled model must train exactly like the single-device model.
 
-`run_parity(cases, world_size)` spawns `world_size` local processes on the backend
-`test_backend` picks (NCCL, one GPU per rank, when `AUTOPAR_TEST_BACKEND=nccl` or when there
-are at least `world_size` GPUs; gloo on CPU otherwise); in each, for every case it builds the model (a sample name or any model source `autopar.cli.sources` reads),
+`run_parity(cases)` runs each case on as many local processes as its mesh has devices, on
+the backend `test_backend` picks (NCCL, one GPU per rank, when `AUTOPAR_TEST_BACKEND=nccl`
+or when there is a GPU per rank; gloo on CPU otherwise); in each, for every case it builds
+the model (a sample name or any model source `autopar.cli.sources` reads),
 trains it on one device (the reference, `autopar.testing.reference`, computed locally by
 every rank) and with autopar under the case's mesh and strategy, for `steps` AdamW steps on
 the same global batch, and records the largest deviations of loss, gradients (this rank's
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -116,15 +118,18 @@ def test_backend(world_size: int, gpus: int | None = None) -> str:
 test_backend.__test__ = False  # a helper, not a pytest test
 
 
-def run_parity(
-    cases: list[ParityCase], world_size: int, backend: str | None = None
-) -> list[ParityResult]:
-    """Run every case on `world_size` ranks of `backend` (default `test_backend`;
-    `testing.rank_pool`: spawned for this call, or kept alive by the test session); rank
-    results merged (worst)."""
-    backend = backend or test_backend(world_size)
-    per_rank = on_ranks(world_size, backend, rank_results, [asdict(c) for c in cases])
-    return [_merge([ParityResult(**rank[i]) for rank in per_rank]) for i in range(len(cases))]
+def run_parity(cases: list[ParityCase], backend: str | None = None) -> list[ParityResult]:
+    """Run every case on as many ranks as its mesh has devices, of `backend` (default
+    `test_backend`; `testing.rank_pool`: spawned for this call, or kept alive by the test
+    session), cases of one world size on one set of ranks; rank results merged (worst)."""
+    out: dict[int, ParityResult] = {}
+    for world in sorted({math.prod(c.mesh) for c in cases}):
+        index = [i for i, c in enumerate(cases) if math.prod(c.mesh) == world]
+        job = [asdict(cases[i]) for i in index]
+        per_rank = on_ranks(world, backend or test_backend(world), rank_results, job)
+        for k, i in enumerate(index):
+            out[i] = _merge([ParityResult(**rank[k]) for rank in per_rank])
+    return [out[i] for i in range(len(cases))]
 
 
 def _merge(results: list[ParityResult]) -> ParityResult:
