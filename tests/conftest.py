@@ -39,4 +39,3 @@ def _kept_parity_ranks():
 
     with kept_ranks():
         yield
-
