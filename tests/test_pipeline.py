@@ -23,7 +23,8 @@ STEPS = 3
 TOL = 1e-4
 
 RUNS = [  # (world, mesh, axis names, stage strategy, {sample: schedules})
-    (2, (2,), ("pp",), "auto", {"gpt": ALL, "llama": ALL}),
+    # each schedule once per mesh; over the 2-D meshes, each on both samples
+    (2, (2,), ("pp",), "auto", {"gpt": ALL[::2], "llama": ALL[1::2]}),
     (4, (2, 2), ("pp", "dp"), "dp", {"gpt": ALL[:3], "llama": ALL[3:]}),
     (4, (2, 2), ("pp", "tp"), "tp", {"gpt": ALL[3:], "llama": ALL[:3]}),
     (

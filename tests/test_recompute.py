@@ -171,7 +171,7 @@ def test_reshard_regathers_weights_in_backward(toy) -> None:
 
 # ----------------------------------------------------------------- multi-process
 
-STEPS = 2
+STEPS = 3  # the parity tests' count: five of the six base runs are their cases, run once
 # (recompute policy, reshard_after_forward), applied to every layer
 FULL, SELECTIVE, SELECTIVE_RESHARD = ("full", False), ("selective", False), ("selective", True)
 # (sample, config, mesh, axis names, strategy, schedule, memory levers checked against the
