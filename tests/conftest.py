@@ -25,9 +25,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist with `--dist loadgroup` (the README's test command), every
     multi-process test runs in one worker, so they share its kept ranks and their cached
     results, while the other worker runs the single-process tests on the core the ranks
-    leave idle (rank 0 plans while the others wait)."""
+    leave idle (rank 0 plans while the others wait). Tests marked `own_ranks` share no
+    ranks or caches with others, so they balance the two workers instead."""
     for item in items:
-        if item.get_closest_marker("multiproc"):
+        if item.get_closest_marker("multiproc") and not item.get_closest_marker("own_ranks"):
             item.add_marker(pytest.mark.xdist_group("ranks"))
 
 

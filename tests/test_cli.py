@@ -324,6 +324,7 @@ def test_samples_load_by_path_and_are_not_installed(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiproc
+@pytest.mark.own_ranks  # `autopar run` starts its own processes
 def test_run_matches_single_device() -> None:
     cmd = [
         sys.executable,

@@ -78,6 +78,7 @@ def test_cache_dir_in_the_build_area(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.multiproc
+@pytest.mark.own_ranks  # compiled cases share no capture with other tests
 def test_inductor_step_trains_like_single_device() -> None:
     """GPT tiny on 2 gloo ranks (dp), each rank's program compiled by inductor (C++)."""
     from autopar.testing.parity import LR, ParityCase, run_parity
@@ -98,6 +99,7 @@ def test_inductor_step_trains_like_single_device() -> None:
 
 
 @pytest.mark.multiproc
+@pytest.mark.own_ranks  # compiled cases share no capture with other tests
 def test_inductor_pipeline_stages_train_like_single_device() -> None:
     """GPT (4 layers) in 2 pipeline stages (1F1B): each stage's forward and backward graphs
     are compiled by inductor."""

@@ -27,12 +27,13 @@ RUNS = [  # (world, mesh, axis names, stage strategy, {sample: schedules})
     (2, (2,), ("pp",), "auto", {"gpt": ALL[::2], "llama": ALL[1::2]}),
     (4, (2, 2), ("pp", "dp"), "dp", {"gpt": ALL[:3], "llama": ALL[3:]}),
     (4, (2, 2), ("pp", "tp"), "tp", {"gpt": ALL[3:], "llama": ALL[:3]}),
-    (
+    pytest.param(
         8,
         (2, 2, 2),
         ("pp", "dp", "tp"),
         ("dp", "tp"),
         {"gpt": ("zbv",), "llama": ()},  # 8 ranks on CI's 2 cores: one case
+        marks=pytest.mark.own_ranks,  # the only 8-rank test
     ),
 ]
 
