@@ -57,8 +57,10 @@ stays outside the model so the solver's relative gap sees only the rest) and div
 largest one (memory likewise; an edge's memory is shifted by its own minimum, since exactly
 one of its ``e`` is 1); objective / memory are recomputed by :func:`evaluate`.
 
-Solver: OR-Tools MathOpt with HiGHS; CP-SAT (``num_workers=8``) when HiGHS is unavailable,
-errors out or finds no solution within the time limit.
+Solver: OR-Tools MathOpt with HiGHS, its LP relaxation first (an integral LP optimum is the
+MIP's; the usual case here, `_relaxation_if_integral`), then the MIP; CP-SAT
+(``num_workers=8``) when HiGHS is unavailable, errors out or finds no solution within the
+time limit.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Run a function on every rank of a local process group: `on_ranks(world, fn, *args)`.
 
-Spawning 4 ranks costs ~14 s on 2 cores (each imports torch and joins the process group)
-before any work runs. Inside `kept_ranks()` (the test session opens it in
+Spawning 4 ranks cost ~14 s on 2 cores (each imported torch and joined the process group)
+before any work ran; kept ranks fork from a server that imported autopar once (~6 s). Inside `kept_ranks()` (the test session opens it in
 `tests/conftest.py`), the ranks stay up between calls, one set per (world size, backend):
 each call hands them `fn` and its arguments, and whatever a rank process caches (the parity
 harness keeps its captured models) serves later calls. Outside it, each call spawns its
