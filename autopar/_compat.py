@@ -247,6 +247,11 @@ def local_tensor(dt: DTensor) -> torch.Tensor:
     return dt._local_tensor
 
 
+def dtensor_spec(dt: DTensor) -> DTensorSpec:
+    """``dt``'s layout (mesh, placements, global shape) as DTensor's dispatch sees it."""
+    return dt._spec
+
+
 def is_mask_partial(p: Placement) -> bool:
     """``p`` is DTensor's masked partial sum (the vocab-parallel embedding's output)."""
     return isinstance(p, MaskPartial)

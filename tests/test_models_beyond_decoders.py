@@ -6,6 +6,11 @@
   one device.
 * A ViT (``samples/vit.py``, patch-embedding convolution + encoder) and an encoder-decoder
   with cross-attention (``samples/encdec.py``).
+* A Hugging Face GPT-2 (``tests/models/hf_gpt2.py``) with dropout 0.1 on the embeddings,
+  the attention probabilities and both residual branches: a sharded random op draws the
+  whole tensor and keeps its shard (``passes.strategies.rules.random_ops``), so every mask
+  is the single-device run's and dropout trains with exact parity under data and tensor
+  parallelism.
 * A mixture-of-experts layer that dispatches with ``F.one_hot``: the index-range check
   ``one_hot`` inserts (``aten._assert_async.msg``) is dropped at capture, never reaching a rank.
 
@@ -28,6 +33,7 @@ from autopar.testing.parity import ParityCase, run_parity
 
 STEPS = 2
 MOE = f"{Path(__file__).resolve()}:build_moe"
+HF_GPT2 = "tests/models/hf_gpt2.py:build"
 
 
 class OneHotMoE(nn.Module):
@@ -70,6 +76,19 @@ def test_one_hot_runtime_checks_are_dropped_at_capture() -> None:
     assert not [n for n in captured.gm.graph.nodes if n.target == torch.ops.aten.any.dims]
 
 
+def test_hf_gpt2_dropout_is_in_the_captured_step() -> None:
+    """The parity case below would pass trivially with dropout off: the captured training
+    step draws the embedding and residual masks, and attention drops probabilities."""
+    from autopar.cli.sources import load_model
+
+    model, batch = load_model(HF_GPT2, "tiny", 8)
+    nodes = list(capture(model, batch).gm.graph.nodes)
+    dropouts = [n for n in nodes if n.target == torch.ops.aten.native_dropout.default]
+    assert len(dropouts) == 5 and all(n.args[1] == 0.1 for n in dropouts)
+    sdpa = [n for n in nodes if n.target == torch.ops.aten.scaled_dot_product_attention.default]
+    assert len(sdpa) == 2 and all(n.args[4] == 0.1 for n in sdpa)
+
+
 # one case per model (the CI budget): BatchNorm under data parallelism (batch-sharded
 # statistics), the others under data x tensor parallelism
 CASES = [
@@ -77,6 +96,7 @@ CASES = [
     ParityCase("vit", (2, 2), ("dp", "tp"), ("dp", "tp"), steps=STEPS),
     ParityCase("encdec", (2, 2), ("dp", "tp"), ("dp", "tp"), steps=STEPS),
     ParityCase(MOE, (2, 2), ("dp", "tp"), ("dp", "tp"), steps=STEPS),
+    ParityCase(HF_GPT2, (2, 2), ("dp", "tp"), ("dp", "tp"), steps=STEPS),
 ]
 
 

@@ -92,7 +92,7 @@ class PlacedInterpreter(fx.Interpreter):
             flat[i] = self._place(flat[i], parse_spec(want), has_dtensor)
         args, kwargs = tree_unflatten(flat, spec)
         if n.target in VIEWS and isinstance(args[0], DTensor):
-            out = _ShardSafeView.apply(_contiguous_local(args[0]), args[1])
+            out = _ShardSafeView.apply(_viewable(args[0]), args[1])
         else:
             out = n.target(*args, **kwargs)
         return self._check_output(n, out, node_plan)
@@ -134,6 +134,25 @@ def _contiguous_local(x):
         # _to_copy keeps a Partial partial (DTensor's clone reduces it first)
         return torch.ops.aten._to_copy.default(x, memory_format=torch.contiguous_format)
     return x
+
+
+def _viewable(x: DTensor) -> DTensor:
+    """`x` with a contiguous shard and contiguous global strides. A view's values depend
+    only on the logical order of elements, but DTensor checks a view against the global
+    strides it tracks, and those can say "permuted" where the captured graph's tensor was
+    contiguous (the CPU flash kernel's output is laid out [B, T, H, D] and permuted back, so
+    Hugging Face's `transpose(1, 2).reshape(...)` was captured as a view): relabel them."""
+    x = _contiguous_local(x)
+    if x.is_contiguous():
+        return x
+    return DTensor.from_local(
+        x.to_local(),
+        x.device_mesh,
+        x.placements,
+        run_check=False,
+        shape=x.shape,
+        stride=_contiguous_stride(x.shape),
+    )
 
 
 class _ShardSafeView(torch.autograd.Function):

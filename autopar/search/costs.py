@@ -61,7 +61,7 @@ from autopar.cluster import Cluster
 from autopar.cost_models import comm, compute, memory
 from autopar.cost_models.ring import ring_attention_time, ring_forward_time
 from autopar.passes.strategies import NodeStrategy, Spec
-from autopar.passes.strategies.rules import attention
+from autopar.passes.strategies.rules import attention, random_ops
 
 aten = torch.ops.aten
 
@@ -171,9 +171,11 @@ class CostContext:
             return 0.0
         flops, nbytes, dtype = self._work(n)
         split = self._split(s) / attention.work_factor(n, s, self.mesh_shape)
+        # a sharded random op draws the whole tensor on every rank (rules.random_ops)
+        drawn = random_ops.whole_draw_bytes(n) * max(0.0, 1.0 - 1.0 / split)
         t = compute.compute_time(
             flops / split,
-            nbytes / split,
+            nbytes / split + drawn,
             dtype,
             self.cluster,
             op=compute.op_class(n),

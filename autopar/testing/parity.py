@@ -398,8 +398,10 @@ def run_case(case: ParityCase, plans: dict | None = None) -> ParityResult:
     from autopar.views import axis_roles
 
     model, batch = load_model(case.sample, case.config, case.batch_size, seed=case.seed)
+    rng = torch.random.get_rng_state()  # the parallel run draws the reference's masks
     ref = train_single_device(model, batch, case.steps, mixed_precision=case.mixed_precision)
     pm = _compiled(case, model, batch, {} if plans is None else plans)
+    torch.random.set_rng_state(rng)
     res = ParityResult(
         case.label,
         ref_losses=ref.losses,

@@ -46,9 +46,11 @@ def get_rule(op: object) -> Rule | None:
 def register_dtensor_rules() -> None:
     """Register autopar's DTensor strategies (the CPU flash-attention kernels that eager
     DTensor programs reach from ``scaled_dot_product_attention``, BatchNorm's statistics)
-    into DTensor's propagator. Idempotent; never run on import."""
+    into DTensor's propagator, and its handlers of random ops (:mod:`.random_ops`).
+    Idempotent; never run on import."""
     attention.register_dtensor()
     batch_norm.register_dtensor()
+    random_ops.register_dtensor()
 
 
-from autopar.passes.strategies.rules import attention, batch_norm, fused  # noqa: E402, F401  (fill RULES)
+from autopar.passes.strategies.rules import attention, batch_norm, fused, random_ops  # noqa: E402, F401  (fill RULES)
