@@ -106,13 +106,6 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         plan = Plan.load(plan)
     plan, captured, mesh = plan_for_ranks(model, example_inputs, cluster, loss_fn, options, plan)
     if plan.pipeline is not None:
-        if captured.mutated_buffers:
-            raise ValueError(
-                "the model updates buffers in forward (e.g. BatchNorm running statistics: "
-                f"{[captured.buffers[n] for n in captured.mutated_buffers]}), which pipeline "
-                "stages do not write back yet. Fix: plan without pipeline stages "
-                "(pipeline_stages=1), or use LayerNorm / eval-mode BatchNorm."
-            )
         smaller = smaller_microbatch(model, example_inputs, loss_fn, options, plan)
         return PipelineModel(model, captured, plan, mesh, optimizer, smaller)
     return ParallelModel(model, captured, plan, mesh, optimizer)

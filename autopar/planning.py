@@ -179,7 +179,26 @@ def prepare(
     with phase("capture"):
         captured = capture(model, batch, loss_fn)
         regions = job.fuse(captured)
+    if job.pipeline is not None:
+        check_pipelines_take(captured)
     return job, captured, regions, tpl
+
+
+def check_pipelines_take(captured: Captured) -> None:
+    """A model that updates buffers in forward is not pipelined: a pipeline runs the
+    forward once per microbatch, so training-mode BatchNorm would normalize each microbatch
+    by its own statistics and update the running statistics once per microbatch, which is
+    not what one forward over the batch computes. (The layout search leaves pipelines out
+    for such models; this names the fix when a pipeline is asked for.)"""
+    if captured.mutated_buffers:
+        names = [captured.buffers[n] for n in captured.mutated_buffers]
+        raise ValueError(
+            f"the model updates buffers in forward ({', '.join(names)}: e.g. BatchNorm "
+            "running statistics). A pipeline runs the forward once per microbatch, so it "
+            "would compute per-microbatch statistics, not the batch's. Fix: plan without "
+            "pipeline stages (pipeline_stages=1; the default search does), or use "
+            "LayerNorm / GroupNorm / eval-mode BatchNorm."
+        )
 
 
 def smaller_microbatch(

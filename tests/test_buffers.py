@@ -7,6 +7,8 @@
   and ``full_state_dict()`` returns them: after training steps they equal eager PyTorch's.
 * ``eval()`` BatchNorm uses the running statistics (elementwise, nothing mutated).
 * An in-place update of a user input is refused at capture with the fix.
+* A pipeline is refused for such a model (per-microbatch BatchNorm statistics are not the
+  batch's), with the fix, at planning time.
 """
 
 from __future__ import annotations
@@ -122,3 +124,14 @@ def test_training_updates_buffers_like_eager(one_rank: None) -> None:
         torch.testing.assert_close(full[name], ref.state[name], rtol=1e-5, atol=1e-6, msg=name)
     assert int(full["calls"]) == 2 and int(full["bn.num_batches_tracked"]) == 2
     assert float(model.calls) == 0  # the user's model is left as it was
+
+
+def test_pipelines_refuse_models_that_update_buffers() -> None:
+    """Microbatches would each normalize by their own BatchNorm statistics: the error says
+    so and names the fix, before any process or weight is touched."""
+    from autopar.cli.sources import load_model
+
+    model, batch_ = load_model("cnn", "tiny", 8)
+    cluster = autopar.Cluster.preset("cpu", mesh=(4,))
+    with pytest.raises(ValueError, match=r"per-microbatch statistics.*pipeline_stages=1"):
+        autopar.plan(model, batch_, cluster=cluster, pipeline_stages=2)

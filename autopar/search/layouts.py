@@ -189,7 +189,8 @@ def _search_layout(
     whole = pricer.template(rows)
     layers = whole.total_layers or _captured_layers(pricer)
     if layers < 2 or whole.captured.mutated_buffers:
-        pipeline_stages = 1  # nothing to cut, or stages that would not write buffers back
+        pipeline_stages = 1  # nothing to cut, or per-microbatch BatchNorm statistics
+        # (planning.check_pipelines_take)
     candidates = candidate_layouts(cluster, rows, layers, pipeline_stages, microbatches)
     if not candidates:
         raise ValueError(

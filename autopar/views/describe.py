@@ -46,11 +46,15 @@ def _axis_role(plan: Plan, axis: int) -> str:
 
 
 def expert_sharded(plan: Plan, axis: int) -> list[str]:
-    """Stacked expert weights (3-D parameters `[E, ...]`) stored Shard(0) on `axis`."""
+    """Stacked expert weights (3-D parameters `[E, ...]`, E > 1) stored Shard(0) on `axis`
+    (a ViT's `[1, tokens, dim]` position embedding under FSDP is not one)."""
     return [
         t.fqn
         for t in plan.tensors
-        if t.kind == "param" and len(t.shape) == 3 and t.spec.split(",")[axis] == "S(0)"
+        if t.kind == "param"
+        and len(t.shape) == 3
+        and t.shape[0] > 1
+        and t.spec.split(",")[axis] == "S(0)"
     ]
 
 
