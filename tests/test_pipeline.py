@@ -23,8 +23,9 @@ STEPS = 3
 TOL = 1e-4
 
 RUNS = [  # (world, mesh, axis names, stage strategy, {sample: schedules})
-    # each schedule once per mesh; over the 2-D meshes, each on both samples
-    (2, (2,), ("pp",), "auto", {"gpt": ALL[::2], "llama": ALL[1::2]}),
+    # over the 2-D meshes, every schedule on both samples; on pure pipeline ranks, one
+    # plain and one V-shaped schedule (the 2-D meshes already run each schedule twice)
+    (2, (2,), ("pp",), "auto", {"gpt": ("1f1b",), "llama": ("dualpipev",)}),
     (4, (2, 2), ("pp", "dp"), "dp", {"gpt": ALL[:3], "llama": ALL[3:]}),
     (4, (2, 2), ("pp", "tp"), "tp", {"gpt": ALL[3:], "llama": ALL[:3]}),
     pytest.param(
