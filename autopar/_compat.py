@@ -19,6 +19,7 @@ does not suffice:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -49,6 +50,10 @@ from torch._inductor.runtime.cache_dir_utils import (
 # (no public alias).
 from torch._ops import OpOverload
 
+# lowering: DTensor's redistribution costs computed outside the tracing fake mode
+# (`cached_sharding_propagation`).
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
 # strategies (autopar/passes/strategies): the schema types DTensor's strategy functions
 # take and return (autopar reads DTensor's strategies and writes its own for the fused and
 # CPU flash-attention ops), placeholder dims in DTensor's single-mesh-dim rules, the
@@ -76,7 +81,7 @@ from torch.distributed.tensor.placement_types import _MaskPartial as MaskPartial
 
 # capture / lowering: tracing a DTensor program into a plain per-rank graph. make_fx is the
 # tracer for this (torch.export cannot trace through a tensor subclass's dispatch).
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
 
 # planning at scale and tests: the fake process group's store.
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -223,20 +228,35 @@ def no_dtensor_redistribute_costs() -> Iterator[None]:
 
 @contextlib.contextmanager
 def cached_sharding_propagation() -> Iterator[None]:
-    """Within the context, DTensor reuses its cached sharding propagations while a graph is
-    being traced (make_fx), as it does in eager mode.
+    """Within the context, DTensor reuses its cached sharding propagations, redistribution
+    plans and redistribution costs while a graph is being traced (make_fx), as it does in
+    eager mode.
 
-    DTensor skips its cache under tracing because symbolic shapes must not be specialised;
-    autopar's lowering traces with static fake shapes, where the cached answer is the same,
-    and recomputing it for every op was a third of the lowering's time."""
-    from torch.distributed.tensor import _sharding_prop
+    DTensor skips its caches under tracing because symbolic shapes must not be specialised;
+    autopar's lowering traces with static fake shapes, where the cached answer is the same.
+    Recomputing every op's propagation was a third of the lowering's time; recomputing the
+    cost of every candidate redistribution (a graph search per pair of specs where a fused
+    QKV projection is split, `_StridedShard`) was 80% of a Hugging Face GPT-2's."""
+    from torch.distributed.tensor import _redistribute, _sharding_prop
+    from torch.distributed.tensor._ops import utils
 
-    saved = _sharding_prop._are_we_tracing
-    _sharding_prop._are_we_tracing = lambda: False
+    saved = _sharding_prop._are_we_tracing, _redistribute._are_we_tracing, utils.redistribute_cost
+    _sharding_prop._are_we_tracing = _redistribute._are_we_tracing = lambda: False
+
+    @functools.cache  # specs hash their mesh, placements, shape and dtype
+    def redistribute_cost(current, target) -> float:
+        # a cost reads specs only; its own index arithmetic (strided shards' offsets) must
+        # not run on fake tensors or be traced into the program
+        with disable_proxy_modes_tracing(), unset_fake_temporarily():
+            return saved[2](current, target)
+
+    utils.redistribute_cost = redistribute_cost
     try:
         yield
     finally:
-        _sharding_prop._are_we_tracing = saved
+        _sharding_prop._are_we_tracing, _redistribute._are_we_tracing, utils.redistribute_cost = (
+            saved
+        )
 
 
 # ------------------------------------------------------------------ DTensor tensors

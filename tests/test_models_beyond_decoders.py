@@ -83,9 +83,10 @@ def test_hf_gpt2_dropout_is_in_the_captured_step() -> None:
     model, batch = load_model(HF_GPT2, "tiny", 8)
     nodes = list(capture(model, batch).gm.graph.nodes)
     dropouts = [n for n in nodes if n.target == torch.ops.aten.native_dropout.default]
-    assert len(dropouts) == 5 and all(n.args[1] == 0.1 for n in dropouts)
+    # the embeddings' and the block's two residual branches' (one block)
+    assert len(dropouts) == 3 and all(n.args[1] == 0.1 for n in dropouts)
     sdpa = [n for n in nodes if n.target == torch.ops.aten.scaled_dot_product_attention.default]
-    assert len(sdpa) == 2 and all(n.args[4] == 0.1 for n in sdpa)
+    assert len(sdpa) == 1 and all(n.args[4] == 0.1 for n in sdpa)
 
 
 # dp, fsdp and dp x tp for each of the CNN (BatchNorm's statistics batch-sharded, running

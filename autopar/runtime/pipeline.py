@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from autopar._compat import aot_function, default_partition
+from autopar._compat import aot_function, cached_sharding_propagation, default_partition
 from autopar.passes.comm import CommOptions, optimize_comm, options_of
 from autopar.passes.lower import PlacedInterpreter, _wrap
 from autopar.passes.precision import ParamBoundary, flat_spec
@@ -137,7 +137,8 @@ class StageModule(nn.Module):
 
     def forward(self, *inputs: torch.Tensor):
         buffers = [getattr(self, f"b{i}") for i in range(len(self.stage.buffers))]
-        outs = self._program(*self.shards, *buffers, *inputs)
+        with cached_sharding_propagation():  # the first call traces through DTensor
+            outs = self._program(*self.shards, *buffers, *inputs)
         return outs[0] if len(outs) == 1 else outs
 
 
