@@ -9,6 +9,7 @@ See docs/ARCHITECTURE.md for the stages.
 
 from autopar.api import compile, plan
 from autopar.capture import CaptureError
+from autopar.capture.regions import Region
 from autopar.cluster import Cluster, DeviceSpec, Link
 from autopar.options import PlanOptions
 from autopar.plan import Plan
@@ -24,6 +25,7 @@ __all__ = [
     "ParallelModel",
     "Plan",
     "PlanOptions",
+    "Region",
     "compile",
     "plan",
 ]

@@ -405,3 +405,20 @@ def shape_only_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, 
     mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names, _init_backend=False)
     mesh._dim_group_names = []
     return mesh
+
+
+def process_group_named(group_name: str) -> Any:
+    """The ProcessGroup registered under ``group_name`` (as traced collectives name it)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def all_to_all_autograd(
+    x: torch.Tensor, recv_splits: list[int], send_splits: list[int], group: Any
+) -> torch.Tensor:
+    """Differentiable all-to-all with variable splits on ``group`` (its backward is the
+    reverse exchange); torch's functional collective, waited."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    return wait_tensor(all_to_all_single_autograd(x, recv_splits, send_splits, group))

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from samples.llama import RMSNorm
+from samples.moe_dropless import DroplessMoE
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,12 +52,15 @@ class MoEConfig:
     capacity_factor: float = 1.25
     shared_expert: bool = False
     aux_loss_weight: float = 0.01
+    dropless: bool = False  # no capacity: every assignment computed (DroplessMoE, a region)
 
     def __post_init__(self) -> None:
         if self.top_k not in (1, 2):
             raise ValueError(f"top_k={self.top_k}: choose 1 or 2")
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} not divisible by n_heads={self.n_heads}")
+        if self.dropless and self.shared_expert:
+            raise ValueError("the drop-less variant has no shared expert")
         if self.capacity_factor <= 0:
             raise ValueError(f"capacity_factor={self.capacity_factor} must be positive")
 
@@ -72,6 +76,7 @@ MOE_CONFIGS: dict[str, MoEConfig] = {
     "tiny": MoEConfig(128, 16, 2, 32, 4, 4, 32),
     "tiny-top1": MoEConfig(128, 16, 2, 32, 4, 4, 32, top_k=1, capacity_factor=1.0),
     "tiny-shared": MoEConfig(128, 16, 2, 32, 4, 4, 32, shared_expert=True),
+    "tiny-dropless": MoEConfig(128, 16, 2, 32, 4, 4, 32, dropless=True),
     "mixtral-8x7b": MoEConfig(32000, 4096, 32, 4096, 32, 8, 14336),
     "moe-64e": MoEConfig(32000, 4096, 16, 2048, 16, 64, 1408, top_k=2, shared_expert=True),
 }
@@ -156,12 +161,12 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(config.dim)
         self.attention = Attention(config)
         self.moe_norm = RMSNorm(config.dim)
-        self.moe = MoE(config)
+        self.moe = DroplessMoE(config) if config.dropless else MoE(config)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         x = x + self.attention(self.attention_norm(x))
         y, aux = self.moe(self.moe_norm(x))
-        return x + y, aux
+        return x + y, aux.mean()  # the drop-less region's aux loss is per group
 
 
 class MoEModel(nn.Module):
@@ -183,7 +188,7 @@ class MoEModel(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
-            elif isinstance(module, MoE):
+            elif isinstance(module, (MoE, DroplessMoE)):
                 for w in (module.w1, module.w3, module.w2):
                     nn.init.normal_(w, std=0.02)
             elif isinstance(module, RMSNorm):

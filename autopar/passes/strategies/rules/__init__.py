@@ -21,6 +21,7 @@ import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar._compat import OpOverload
+from autopar.capture.regions import spec_of
 from autopar.passes.strategies.spec import NodeStrategy
 
 Rule = Callable[[fx.Node, DeviceMesh], list[NodeStrategy]]
@@ -40,17 +41,28 @@ def register_rule(*ops: OpOverload) -> Callable[[Rule], Rule]:
 
 
 def get_rule(op: object) -> Rule | None:
-    return RULES.get(op)  # type: ignore[call-overload]
+    rule = RULES.get(op)  # type: ignore[call-overload]
+    if rule is None and spec_of(op) is not None:  # a region's op, defined at capture
+        return regions.region_rule
+    return rule
 
 
 def register_dtensor_rules() -> None:
     """Register autopar's DTensor strategies (the CPU flash-attention kernels that eager
     DTensor programs reach from ``scaled_dot_product_attention``, BatchNorm's statistics)
-    into DTensor's propagator, and its handlers of random ops (:mod:`.random_ops`).
+    into DTensor's propagator, and its handlers of random ops (:mod:`.random_ops`) and of
+    the regions defined so far (:mod:`.regions`).
     Idempotent; never run on import."""
     attention.register_dtensor()
     batch_norm.register_dtensor()
     random_ops.register_dtensor()
+    regions.register_dtensor()
 
 
-from autopar.passes.strategies.rules import attention, batch_norm, fused, random_ops  # noqa: E402, F401  (fill RULES)
+from autopar.passes.strategies.rules import (  # noqa: E402, F401  (fill RULES)
+    attention,
+    batch_norm,
+    fused,
+    random_ops,
+    regions,
+)
