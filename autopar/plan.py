@@ -90,6 +90,9 @@ class NodePlan:
     arg_outputs: tuple[int | None, ...] = ()
     # positions of the inputs redistributed from their producer's spec (priced by the search)
     reshards: tuple[int, ...] = ()
+    # a region's (`autopar.Region`) all-to-all payload for the whole batch: the bytes one
+    # dispatch moves when its experts are split (`Region.exchanged_bytes`); 0 otherwise
+    exchange_bytes: float = 0.0
 
 
 def _node_plan(raw: dict) -> NodePlan:

@@ -13,7 +13,9 @@
   "tiny-mixed" config, a non-causal block then a causal one, CP = 4 with full activation
   checkpointing); ``strategy="ep"`` splits
   tokens and stacked expert weights (``samples/moe.py``), EP = 4 (top-2, shared expert),
-  EP = 2 x DP 2 (top-1), and EP x TP+SP (top-2; the expert axis must show "dp+ep").
+  EP = 2 x DP 2 (top-1), and EP x TP+SP (top-2; the expert axis must show "dp+ep"); the
+  drop-less MoE (a region, ``samples/moe_dropless.py``, top-2) under EP = 2 x DP 2 (its
+  all-to-alls inside the region, on the second axis's process group).
   Losses, gradients and parameters match the single-device run (which drops the same
   tokens: routing is the same computation).
 """
@@ -52,6 +54,9 @@ CASES = {  # case -> the role the plan's last axis must show
     ParityCase("moe", (4,), ("ep",), "ep", config="tiny-shared", steps=STEPS): "dp+ep",
     ParityCase("moe", (2, 2), ("dp", "ep"), ("dp", "ep"), config="tiny-top1", steps=STEPS): "dp+ep",
     ParityCase("moe", (2, 2), ("ep", "tp"), ("ep", "sp"), steps=STEPS): "tp+sp",
+    ParityCase(
+        "moe", (2, 2), ("dp", "ep"), ("dp", "ep"), config="tiny-dropless", steps=STEPS
+    ): "dp+ep",
 }
 
 

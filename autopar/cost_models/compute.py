@@ -32,7 +32,9 @@ at ``memory_efficiency`` of the HBM bandwidth, as every class's bytes do. The fi
 ``autopar calibrate``: this machine's). All efficiencies are in (0, 1].
 ``backward_factor``: backward FLOPs / forward FLOPs: 2 for matmuls and convolutions (grad of
 input and of weight), 2.5 for attention (flash backward recomputes ``QK^T``: 5 matmuls vs 2),
-1 otherwise.
+1 otherwise. A region (:mod:`autopar.capture.regions`) counts its own forward FLOPs
+(``Region.flops``) and has a backward factor of 3 (:data:`REGION_BACKWARD_FACTOR`: its
+backward runs the forward again, then differentiates it).
 """
 
 from __future__ import annotations
@@ -46,7 +48,11 @@ from torch.fx import Node
 from torch.fx.node import map_arg
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
+from autopar.capture.regions import spec_of
 from autopar.cluster import Cluster
+
+# a region's backward runs its forward again (1) and differentiates it (2)
+REGION_BACKWARD_FACTOR = 3.0
 
 __all__ = [
     "OP_CLASSES",
@@ -135,6 +141,9 @@ def node_flops(node: Node) -> float:
         return 0.0
     packet = _packet(node)
     args, kwargs = _vals(node)
+    region = spec_of(node.target)
+    if region is not None:  # its own count, on the whole inputs
+        return float(region.module.flops(*args[: region.n_inputs]))
     if packet in _SDPA:
         return _sdpa_flops(node, args, kwargs)
     if packet in flop_registry:
@@ -178,10 +187,13 @@ OP_CLASSES = ("matmul", "attention", "memory")
 
 
 def op_class(node: Node) -> str:
-    """``"matmul"``, ``"attention"`` or ``"memory"`` (every other op: bandwidth-bound)."""
+    """``"matmul"``, ``"attention"`` or ``"memory"`` (every other op: bandwidth-bound); a
+    region (:mod:`autopar.capture.regions`) is priced as matmuls."""
     packet = _packet(node)
     if packet in _SDPA or packet in _SDPA_FUSED:
         return "attention"
+    if spec_of(node.target) is not None:
+        return "matmul"
     return "matmul" if packet in _MATMUL or packet in flop_registry else "memory"
 
 
@@ -252,4 +264,6 @@ def backward_factor(node: Node) -> float:
     packet = _packet(node)
     if packet in _SDPA or packet in _SDPA_FUSED:
         return 2.5
+    if spec_of(node.target) is not None:
+        return REGION_BACKWARD_FACTOR
     return 2.0 if packet in _MATMUL else 1.0

@@ -24,6 +24,7 @@ from autopar._compat import OpOverload
 from autopar.capture import Captured
 from autopar.capture.export import layer_of
 from autopar.capture.operands import operands, tensor_operands
+from autopar.capture.regions import spec_of
 from autopar.cluster import Cluster
 from autopar.passes.strategies import NodeStrategy
 from autopar.plan import CommPlan, MemoryPlan, NodePlan, Plan, TensorPlan, spec_str
@@ -100,7 +101,15 @@ def _node_plan(
         dtypes=tuple(_dtype(v) for v in _vals(n)),
         arg_outputs=indices if any(i is not None for i in indices) else (),
         reshards=reshards(n, s, chosen, priced),
+        exchange_bytes=_exchange_bytes(n),
     )
+
+
+def _exchange_bytes(n: fx.Node) -> float:
+    region = spec_of(n.target)
+    if region is None:
+        return 0.0
+    return float(region.module.exchanged_bytes(*[a.meta["val"] for a in n.args[: region.n_inputs]]))
 
 
 def reshards(

@@ -16,6 +16,7 @@ Axis roles are derived from placements, never stored: on each mesh axis,
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import asdict
 
@@ -97,6 +98,25 @@ def ring_traffic(plan: Plan, axis: int) -> tuple[float, float]:
         f, b = ring_traffic_bytes(mesh[axis], kv)
         fwd, bwd = fwd + f, bwd + b
     return fwd, bwd
+
+
+def region_all_to_all(plan: Plan, axis: int) -> list[float]:
+    """Per region (`autopar.Region`) whose experts are split on `axis`: the bytes a rank's
+    dispatch and combine move per step in forward (its share of the batch's payload,
+    twice); backward runs the forward's exchanges again and their reverses (twice that)."""
+    mesh = plan.stage_mesh_shape
+    stacked = {t.name for t in plan.tensors if t.kind == "param" and len(t.shape) == 3}
+    out = []
+    for n in plan.nodes:
+        if not n.exchange_bytes or not n.inputs or n.inputs[0] is None:
+            continue
+        experts = [s for s, a in zip(n.inputs, n.args, strict=False) if s and a in stacked]
+        if not any(spec.split(",")[axis] == "S(0)" for spec in experts):
+            continue
+        rows = parse_spec(n.inputs[0])
+        split = math.prod(size for p, size in zip(rows, mesh, strict=True) if isinstance(p, Shard))
+        out.append(2 * n.exchange_bytes / split)
+    return out
 
 
 def _base_role(plan: Plan, axis: int) -> str:
@@ -249,6 +269,12 @@ def parallelism_lines(plan: Plan) -> list[str]:
             )
         if experts:
             parts.append(f"EP expert weights {len(experts)}/{experts_total}")
+        dispatched = region_all_to_all(plan, axis)
+        if dispatched:
+            parts.append(
+                f"EP regions {len(dispatched)} (all-to-all per step {fmt_bytes(sum(dispatched))}"
+                f" forward, {fmt_bytes(2 * sum(dispatched))} backward)"
+            )
         if not parts:
             continue
         traffic = axis_traffic(plan) if traffic is None else traffic
