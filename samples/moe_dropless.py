@@ -32,25 +32,30 @@ from autopar.capture.regions import Region, all_to_all
 
 def permute(tokens: Tensor, expert: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     """(rows sorted by expert [N k, d], counts [E], row_id_map [N, k]): the MoE permute
-    kernel on CUDA, its reference elsewhere (same contract)."""
-    if tokens.is_cuda:
-        from autopar.kernels import available
+    kernel where it runs (:func:`use_kernels`), its PyTorch reference elsewhere."""
+    if use_kernels(tokens):
         from autopar.kernels.moe_permute import moe_permute
 
-        if available():
-            return moe_permute(tokens, expert, n_experts)
+        return moe_permute(tokens, expert, n_experts)
     return _reference().moe_permute_reference(tokens, expert, n_experts)
 
 
 def unpermute(rows: Tensor, row_id_map: Tensor, gate: Tensor) -> Tensor:
-    """``y[n] = sum_j gate[n, j] rows[row_id_map[n, j]]`` (the unpermute kernel on CUDA)."""
-    if rows.is_cuda:
-        from autopar.kernels import available
+    """``y[n] = sum_j gate[n, j] rows[row_id_map[n, j]]`` (the unpermute kernel where it
+    runs)."""
+    if use_kernels(rows):
         from autopar.kernels.moe_permute import moe_unpermute
 
-        if available():
-            return moe_unpermute(rows, row_id_map, gate)
+        return moe_unpermute(rows, row_id_map, gate)
     return _reference().moe_unpermute_reference(rows, row_id_map, gate)
+
+
+def use_kernels(t: Tensor) -> bool:
+    """The Triton kernels serve CUDA tensors. (Under Triton's CPU interpreter they are
+    correct but ~400x slower than the reference here: the tests run the reference.)"""
+    from autopar.kernels import available
+
+    return t.is_cuda and available()
 
 
 def _reference():
