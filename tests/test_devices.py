@@ -4,6 +4,8 @@ Checked on the CPU: which backend N local processes get (NCCL only with a GPU ea
 clear error otherwise), which device a backend runs on, which preset `Cluster.local` prices
 a GPU with, that under a live gloo group `Cluster.local` and `device_mesh` give the CPU
 (whatever machine the cluster describes), that local shards land on the mesh's device,
+that a plan splitting attention on the sequence is refused off the CPU (its kernels'
+handlers exist for the CPU flash kernels only),
 and that `autopar run --backend` and the test harness follow the same choice. The NCCL
 runs themselves are `test_parity.py`'s `multigpu` test.
 """
@@ -28,6 +30,7 @@ from autopar.devices import (
     local_preset,
     process_group_device,
 )
+from autopar.passes.lower import check_context_parallel_runs
 from autopar.runtime.shards import local_chunk, mesh_device
 from autopar.testing.parity import test_backend as harness_backend
 
@@ -134,3 +137,12 @@ def test_run_backend_option() -> None:
     assert result.exit_code == 2 and "unknown backend 'mpi'" in result.output, result.output
     assert parse_args(["--model", "mlp", "--backend", "nccl"]).backend == "nccl"
     assert parse_args(["--model", "mlp"]).backend is None
+
+
+def test_context_parallel_on_a_gpu_is_refused_with_the_fix() -> None:
+    graph = torch.fx.Graph()
+    node = graph.call_function(torch.ops.aten.scaled_dot_product_attention.default, ())
+    check_context_parallel_runs(node, "S(0),S(2)", "cpu")  # the CPU kernels' handlers
+    check_context_parallel_runs(node, "S(0),R", "cuda")  # no sequence split
+    with pytest.raises(NotImplementedError, match="context parallelism.*Fix: plan without"):
+        check_context_parallel_runs(node, "R,S(2)", "cuda")

@@ -84,6 +84,8 @@ class PlacedInterpreter(fx.Interpreter):
             return super().run_node(n)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         node_plan = self.node_plans.get(n.name)
+        if n.target is SDPA and node_plan is not None:
+            check_context_parallel_runs(n, node_plan.inputs[0], self.mesh.device_type)
         flat, spec = tree_flatten((args, kwargs))
         tensor_positions = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
         wanted = node_plan.inputs if node_plan else (None,) * len(tensor_positions)
@@ -125,6 +127,21 @@ class PlacedInterpreter(fx.Interpreter):
 
 
 VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def check_context_parallel_runs(n: fx.Node, q_spec: str | None, device_type: str) -> None:
+    """Context parallelism (attention's queries split on the sequence) runs through the CPU
+    flash-attention kernels' DTensor handlers (`rules.attention`, `rules.ring`); CUDA's
+    kernels have none yet, and DTensor would gather the sequence instead of running what the
+    plan priced: refuse, naming the fix."""
+    seq_split = any(p == "S(2)" for p in (q_spec or "").split(","))
+    if seq_split and device_type != "cpu":
+        raise NotImplementedError(
+            f"{n.name}: the plan splits attention on the sequence (context parallelism), which "
+            f"autopar runs only on CPU flash-attention kernels so far, not on {device_type}. "
+            "Fix: plan without context parallelism (pin the axes, e.g. strategy=('dp', 'tp'))."
+        )
 
 
 def _contiguous_local(x):
