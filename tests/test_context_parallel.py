@@ -12,6 +12,11 @@
 - Planning only (fake process group, meta device): Llama-3-8B at sequence 131072 on 64 H100
   (8 nodes) fits only with the sequence split; the search's plan splits attention (as a
   ring) and the norms on the sequence.
+- Ring attention (``rules.ring``) on a ring of threads in one process (its collectives
+  replaced by queues) equals the unsplit kernel, forward and backward: the load-balanced
+  causal split on even and odd rings (halves of equal and unequal rows), the unsplit causal
+  ring of one row per rank, non-causal; the split covers the causal mask once, every rank
+  computing ``n / 2`` blocks, and the search prices it so (work factor 1, the swaps' bytes).
 - ``build_encoder`` below is a bidirectional (non-causal) model source for the parity cases
   in ``tests/test_sequence_parallel.py`` (one spawn for SP and CP).
 """
@@ -19,13 +24,26 @@
 from __future__ import annotations
 
 import dataclasses
+import queue
+import threading
+from collections.abc import Callable
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import Replicate, Shard
 
 import autopar
 from autopar.cluster import Cluster
+from autopar.passes.strategies.rules.ring import (
+    Ring,
+    causal_step_work,
+    key_spans,
+    query_halves,
+    ring_backward,
+    ring_forward,
+)
 from autopar.views import axis_roles, summary
 
 ENCODER_VOCAB, ENCODER_SEQ = 64, 16
@@ -171,3 +189,99 @@ def test_llama3_8b_at_128k_on_64_h100_splits_the_sequence() -> None:
     assert activations * cluster.world_size > cluster.device.memory_bytes, text
     # the ring: its K/V passes overlap the kernels and no rank holds a layer's whole K/V
     assert "CP ring attention 2/2 (K/V passes per step" in text, text
+
+
+class _ThreadRing(Ring):
+    """A ring of threads in one process: a rank's messages to another queue up in order."""
+
+    __slots__ = ("boxes",)
+
+    def __init__(self, rank: int, size: int, boxes: dict) -> None:
+        super().__init__(rank, size, "threads")
+        self.boxes = boxes
+
+    def _exchange(self, flat: Tensor, to: int, source: int) -> Tensor:
+        self.boxes[self.rank, to].put(flat.clone())
+        return torch.tensor(source)
+
+    def _received(self, flat: Tensor) -> Tensor:
+        return self.boxes[int(flat), self.rank].get(timeout=30)
+
+
+def test_balanced_causal_ring_covers_the_mask_once_with_even_work() -> None:
+    for n in range(1, 8):
+        assert all(sum(steps) == n / 2 for steps in causal_step_work(n))
+        pairs = []  # (query half, key half, causal) over every rank and step
+        for rank in range(n):
+            for c in query_halves(rank, n):
+                for j in range(n):
+                    for first, count, causal in key_spans(c, j):
+                        pairs += [(c, 2 * j + h, causal) for h in range(first, first + count)]
+        below = [(c, h, c == h) for c in range(2 * n) for h in range(c + 1)]
+        assert sorted(pairs) == below
+
+
+def _on_thread_ring(n: int, fn: Callable[[Ring], object]) -> list:
+    """``fn(ring)`` of every rank of a :class:`_ThreadRing` of ``n``, run at once."""
+    boxes = {(a, b): queue.Queue() for a in range(n) for b in range(n)}
+    results: list = [None] * n
+
+    def rank(r: int) -> None:
+        results[r] = fn(_ThreadRing(r, n, boxes))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+@pytest.mark.parametrize(
+    "n,rows,causal",
+    # even and odd rings, halves of equal and unequal rows; one row per rank is not split
+    [(4, 4, True), (3, 3, True), (2, 1, True), (3, 2, False)],
+)
+def test_ring_attention_matches_the_unsplit_kernel(n: int, rows: int, causal: bool) -> None:
+    from autopar.passes.strategies.rules.attention import FLASH_CPU, FLASH_CPU_BWD
+
+    gen = torch.Generator().manual_seed(n)
+    q, k, v, dout = (torch.randn(2, 3, n * rows, 4, generator=gen).double() for _ in range(4))
+    out, lse = FLASH_CPU(q, k, v, 0.0, causal)
+    want = (out, lse, *FLASH_CPU_BWD(dout, q, k, v, out, lse, 0.0, causal))
+
+    def attention(ring: Ring) -> tuple:
+        q_r, k_r, v_r, dout_r = (t.narrow(2, ring.rank * rows, rows) for t in (q, k, v, dout))
+        o, lse_r = ring_forward(FLASH_CPU, q_r, k_r, v_r, causal, None, ring)
+        grads = ring_backward(FLASH_CPU_BWD, dout_r, q_r, k_r, v_r, o, lse_r, causal, None, ring)
+        return (o, lse_r, *grads)
+
+    got = _on_thread_ring(n, attention)
+    for i, expected in enumerate(want):
+        torch.testing.assert_close(torch.cat([g[i] for g in got], 2), expected)
+
+
+class _CausalAttention(nn.Module):
+    def forward(self, qkv: Tensor) -> Tensor:
+        return F.scaled_dot_product_attention(*qkv.unbind(0), is_causal=True).sum()
+
+
+def test_causal_ring_prices_an_even_share_and_its_swaps() -> None:
+    """`rules.attention`: the balanced causal ring does an even share of the work (all-gathered
+    K/V twice that) and swaps half of q, out and the float32 logsumexp; a ring of one row
+    per rank is not split (the last rank's ``n - 1/2`` blocks of ``n / 2``)."""
+    from autopar.capture import capture
+    from autopar.passes.strategies import NodeStrategy
+    from autopar.passes.strategies.rules import attention
+
+    s2, rep = (Shard(2),), (Replicate(),)
+    ring, gathered = NodeStrategy((s2, s2, s2), (s2,)), NodeStrategy((s2, rep, rep), (s2,))
+    expected = {16: (1.0, attention.HalfBytes(q=384.0, out=384.0, lse=48.0)), 4: (7 / 4, None)}
+    for seq, (factor, halves) in expected.items():
+        captured = capture(_CausalAttention(), (torch.randn(3, 2, 3, seq, 8),))
+        sdpa = torch.ops.aten.scaled_dot_product_attention.default
+        node = next(n for n in captured.gm.graph.nodes if n.target == sdpa)
+        assert attention.work_factor(node, ring, (4,)) == factor
+        assert attention.work_factor(node, gathered, (4,)) == 2.0
+        # [2, 3, seq / 4, 8] float32 per rank, half of its rows swapped
+        assert attention.ring_half_bytes(node, ring, (4,)) == halves

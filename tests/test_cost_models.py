@@ -375,3 +375,24 @@ def test_recompute_prices_the_forward_share_of_a_node() -> None:
     assert 0 < ctx.forward_time(relu, rep) < ctx.node_cost(relu, rep)
     if view is not None:
         assert ctx.forward_time(view, rep) == 0.0
+
+
+def test_ring_price_spreads_the_balanced_causal_split_and_adds_its_swaps() -> None:
+    """`cost_models.ring`: with free K/V passes a rank's kernels sum to its even share and
+    the causal split adds its partner swaps; with passes as long as an even step, the causal
+    split's uneven steps (some with nothing to compute) cost more than an even spread."""
+    from autopar.cost_models.ring import ring_attention_time, ring_forward_time
+    from autopar.passes.strategies.rules.ring import HalfBytes
+
+    link, n = Cluster.preset("dgx-h100", mesh=(8,), axis_names=("cp",)).link(0), 8
+    halves = HalfBytes(q=1e6, out=2e6, lse=1e4)
+    forward_swaps = comm.send_recv_time(1e6, link) + comm.send_recv_time(2e6 + 1e4, link)
+    backward_swaps = comm.send_recv_time(5e6 + 1e4, link) + comm.send_recv_time(1e6, link)
+    assert ring_forward_time(1.0, n, 0.0, link, halves) == pytest.approx(1.0 + forward_swaps)
+    both = ring_attention_time(3.0, 2.0, n, 0.0, link, halves)
+    assert both == pytest.approx(3.0 + forward_swaps + backward_swaps)
+    kv = 1e8
+    step = comm.send_recv_time(kv, link)
+    assert ring_forward_time(n * step, n, kv, link) == pytest.approx(n * step)
+    no_swaps = HalfBytes(0.0, 0.0, 0.0)
+    assert ring_forward_time(n * step, n, kv, link, no_swaps) > 1.2 * n * step

@@ -17,7 +17,9 @@ kernel, below autograd.
 block (no kernel runs): it returns copies of ``(out, lse)`` that depend on the received
 ``block``, so that the result depends on every K/V pass on every rank. Full activation
 checkpointing re-runs what backward's inputs depend on; without it a rank whose last blocks
-are all masked would re-run fewer passes than its neighbours and the ring would hang.
+are all masked would re-run fewer passes than its neighbours and the ring would hang. The
+load-balanced causal ring orders its collectives by it the same way (copies of K/V made
+after the query swap, of the lent half's output after the last pass).
 """
 
 from __future__ import annotations
@@ -43,9 +45,11 @@ def _(out: Tensor, lse: Tensor, o: Tensor, lse_j: Tensor) -> tuple[Tensor, Tenso
 
 @torch.library.custom_op("autopar::ring_skip", mutates_args=())
 def ring_skip(out: Tensor, lse: Tensor, block: Tensor) -> tuple[Tensor, Tensor]:
-    """Copies of (``out``, ``lse``), computed after ``block`` is received (docstring)."""
+    """Contiguous copies of (``out``, ``lse``), computed after ``block`` is received
+    (docstring)."""
     del block
-    return out.clone(memory_format=torch.contiguous_format), lse.clone()
+    contiguous = torch.contiguous_format
+    return out.clone(memory_format=contiguous), lse.clone(memory_format=contiguous)
 
 
 @ring_skip.register_fake

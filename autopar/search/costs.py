@@ -3,9 +3,11 @@
 node cost  = roofline(flops * (1 + backward_factor) / split, bytes * (2) / split) where
              `split` = product of the sizes of the mesh axes on which the strategy divides the
              work (some input or output Shard or Partial on that axis), over
-             `rules.attention.work_factor` (2 for causal attention split on the sequence,
-             (2n-1)/n on a ring of n); ring attention adds its K/V passes as it runs them,
-             overlapped step by step (`cost_models.ring`).
+             `rules.attention.work_factor` (2 for causal attention split on the sequence
+             with all-gathered K/V, 1 on the load-balanced ring); ring attention adds its
+             K/V passes as it runs them, overlapped step by step, and its causal split's
+             swaps with the partner rank, not overlapped (`cost_models.ring`); a region
+             whose experts are split on an axis adds its all-to-alls (`REGION_EXCHANGES`).
 forward    = roofline(flops / split, bytes / split): `forward_time`, what recomputing the node
              in backward costs (`autopar.search.levers`).
 edge cost  = redistribute(producer output -> consumer input), plus one link latency per
@@ -61,7 +63,7 @@ from autopar.cluster import Cluster
 from autopar.cost_models import comm, compute, memory
 from autopar.cost_models.ring import ring_attention_time, ring_forward_time
 from autopar.passes.strategies import NodeStrategy, Spec
-from autopar.passes.strategies.rules import attention, random_ops
+from autopar.passes.strategies.rules import attention, random_ops, regions
 
 aten = torch.ops.aten
 
@@ -83,6 +85,12 @@ VIEW_OPS = {
     aten.select.int,
     aten.reshape.default,
 }
+
+
+# all-to-alls of a region with split experts: dispatch and combine, in forward, again in
+# backward's re-run of the forward, and their reverses carrying the gradients
+REGION_FORWARD_EXCHANGES = 2
+REGION_EXCHANGES = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,12 +189,14 @@ class CostContext:
             op=compute.op_class(n),
             kernels=compute.training_kernels(n),
         )
+        t += REGION_EXCHANGES * self._region_exchange(n, s)
         ring = attention.ring_axis(n, s)
         if ring is None:
             return t
         kv = attention.ring_kv_bytes(n, s, self.mesh_shape)
+        halves = attention.ring_half_bytes(n, s, self.mesh_shape)
         ring_n, link = self.mesh_shape[ring], self.cluster.link(ring)
-        return ring_attention_time(t, compute.backward_factor(n), ring_n, kv, link)
+        return ring_attention_time(t, compute.backward_factor(n), ring_n, kv, link, halves)
 
     def forward_time(self, n: fx.Node, s: NodeStrategy) -> float:
         """The forward share of `node_cost` (what recomputing the node in backward costs):
@@ -199,11 +209,26 @@ class CostContext:
         t = compute.compute_time(
             fwd / split, nbytes / split, dtype, self.cluster, op=compute.op_class(n)
         )
+        t += REGION_FORWARD_EXCHANGES * self._region_exchange(n, s)
         ring = attention.ring_axis(n, s)
         if ring is None:
             return t
         kv = attention.ring_kv_bytes(n, s, self.mesh_shape)
-        return ring_forward_time(t, self.mesh_shape[ring], kv, self.cluster.link(ring))
+        halves = attention.ring_half_bytes(n, s, self.mesh_shape)
+        return ring_forward_time(t, self.mesh_shape[ring], kv, self.cluster.link(ring), halves)
+
+    def _region_exchange(self, n: fx.Node, s: NodeStrategy) -> float:
+        """One all-to-all of a region whose experts are split on an axis under ``s``
+        (``Region.exchanged_bytes`` of the whole batch, over the other axes' split); 0
+        for any other node or strategy."""
+        axis = regions.experts_axis_of(n, s)
+        if axis is None:
+            return 0.0
+        region = regions.spec_of(n.target)
+        assert region is not None
+        whole = [a.meta["val"] for a in n.args[: region.n_inputs]]
+        on_axis = region.module.exchanged_bytes(*whole) * self.mesh_shape[axis] / self._split(s)
+        return comm.collective_time(comm.Collective.ALL_TO_ALL, on_axis, axis, self.cluster)
 
     def _work(self, n: fx.Node) -> tuple[float, float, str]:
         if n not in self._flops:

@@ -26,9 +26,11 @@ mesh axis one of three rules holds:
   and every gradient, on exactly one axis (and q split on the sequence there only), self
   attention (``T == S``) without a mask: :mod:`.ring` passes the K/V blocks around that
   axis with an online-softmax merge, forward and backward (dK/dV travel back to their
-  owners), skipping wholly masked causal blocks. No K/V all-gather and no reduce-scatter
-  (the node's edges move nothing); the ring's own traffic is priced in the node
-  (``cost_models.ring``: :func:`ring_axis`, :func:`ring_kv_bytes`), its causal imbalance by
+  owners); causal attention is load-balanced inside the op (partner ranks swap query
+  halves, wholly masked key halves are skipped: every rank computes ``n / 2`` blocks). No
+  K/V all-gather and no reduce-scatter (the node's edges move nothing); the ring's own
+  traffic is priced in the node (``cost_models.ring``: :func:`ring_axis`,
+  :func:`ring_kv_bytes`, the swaps :func:`ring_half_bytes`), its work by
   :func:`work_factor`. The search chooses between it and the all-gathered variant by cost
   (ring: less memory, per-step passes that overlap the kernels; all-gather: one collective).
 
@@ -67,7 +69,13 @@ from autopar._compat import (
 )
 from autopar.passes.strategies.from_dtensor import expand_per_axis
 from autopar.passes.strategies.rules import register_rule
-from autopar.passes.strategies.rules.ring import Ring, ring_backward, ring_forward
+from autopar.passes.strategies.rules.ring import (
+    HalfBytes,
+    Ring,
+    balanced,
+    ring_backward,
+    ring_forward,
+)
 from autopar.passes.strategies.spec import NodeStrategy
 
 aten = torch.ops.aten
@@ -155,18 +163,61 @@ def ring_axis(node: fx.Node, strategy: NodeStrategy) -> int | None:
     return axes[0] if axes else None
 
 
+def _local_numel(val: torch.Tensor, spec: Sequence[Placement] | None, mesh_shape) -> float:
+    """Elements of the largest local shard of ``val`` laid out as ``spec``."""
+    numel = float(val.numel())
+    for axis, p in enumerate(spec or ()):
+        if isinstance(p, Shard):
+            numel *= -(-val.shape[p.dim] // mesh_shape[axis]) / max(val.shape[p.dim], 1)
+    return numel
+
+
 def ring_kv_bytes(node: fx.Node, strategy: NodeStrategy, mesh_shape: Sequence[int]) -> float:
     """Bytes of one rank's K and V blocks under a ring ``strategy`` (one pass of the ring):
     the largest local shard of each, every axis's split applied."""
-    total = 0.0
-    for arg, spec in zip(node.args[1:3], strategy.inputs[1:3], strict=True):
-        val = arg.meta["val"]
-        numel = val.numel()
-        for axis, p in enumerate(spec or ()):
-            if isinstance(p, Shard):
-                numel *= -(-val.shape[p.dim] // mesh_shape[axis]) / max(val.shape[p.dim], 1)
-        total += numel * val.element_size()
-    return total
+    return sum(
+        _local_numel(arg.meta["val"], spec, mesh_shape) * arg.meta["val"].element_size()
+        for arg, spec in zip(node.args[1:3], strategy.inputs[1:3], strict=True)
+    )
+
+
+def _is_causal(node: fx.Node) -> bool:
+    return bool(node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False))
+
+
+def _ring_rows(node: fx.Node, strategy: NodeStrategy, mesh_shape: Sequence[int]) -> int:
+    """Query rows one rank holds under ``strategy`` (its largest shard)."""
+    rows = node.args[0].meta["val"].shape[SEQ]  # type: ignore[union-attr]
+    for axis, p in enumerate(strategy.inputs[0] or ()):
+        if p == Shard(SEQ):
+            rows = -(-rows // mesh_shape[axis])
+    return rows
+
+
+def _balanced_ring(node: fx.Node, strategy: NodeStrategy, mesh_shape: Sequence[int]) -> bool:
+    """Whether ``strategy``'s ring runs the load-balanced causal split (:mod:`.ring`)."""
+    axis = ring_axis(node, strategy)
+    if axis is None:
+        return False
+    return balanced(_is_causal(node), _ring_rows(node, strategy, mesh_shape), mesh_shape[axis])
+
+
+def ring_half_bytes(
+    node: fx.Node, strategy: NodeStrategy, mesh_shape: Sequence[int]
+) -> HalfBytes | None:
+    """What one rank swaps with its partner under the balanced causal ring (its high half of
+    q, of the output and of the float32 logsumexp), None where the ring does not split."""
+    if not _balanced_ring(node, strategy, mesh_shape):
+        return None
+    q, out = node.args[0].meta["val"], node.meta["val"]  # type: ignore[union-attr]
+    rows = _ring_rows(node, strategy, mesh_shape)
+    half = (rows // 2) / rows  # the high half's share of the rank's rows
+    out_numel = _local_numel(out, strategy.outputs[0], mesh_shape)
+    return HalfBytes(
+        q=_local_numel(q, strategy.inputs[0], mesh_shape) * q.element_size() * half,
+        out=out_numel * out.element_size() * half,
+        lse=out_numel / out.shape[-1] * 4 * half,
+    )
 
 
 def work_factor(
@@ -176,17 +227,19 @@ def work_factor(
     divides a node's FLOPs, causal attention's already halved, by the split), for causal
     attention with the sequence split: 2 with all-gathered K/V, whose offset mask makes the
     kernel compute every block of its rows (none is wholly masked, so none is skipped);
-    ``(2n - 1) / n`` on a ring of ``n`` (:mod:`.ring`: the last rank computes ``n - 1/2``
-    blocks of an even ``n / 2``; ``mesh_shape`` gives ``n``, 2 without it). 1 otherwise."""
-    if node.target != aten.scaled_dot_product_attention.default:
+    1 on a ring of ``n`` (:mod:`.ring`'s load-balanced split: every rank ``n / 2`` blocks),
+    ``(2n - 1) / n`` on one whose ranks hold a single row (not split: the last rank computes
+    ``n - 1/2`` blocks); ``mesh_shape`` gives ``n``, 2 without it. 1 otherwise."""
+    if node.target != aten.scaled_dot_product_attention.default or not _is_causal(node):
         return 1.0
-    causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
     out = strategy.outputs[0] if strategy.outputs else None
-    if not (causal and out is not None and any(p == Shard(SEQ) for p in out)):
+    if out is None or not any(p == Shard(SEQ) for p in out):
         return 1.0
     axis = ring_axis(node, strategy)
     if axis is None or mesh_shape is None:
         return 2.0
+    if _balanced_ring(node, strategy, mesh_shape):
+        return 1.0
     n = mesh_shape[axis]
     return (2 * n - 1) / n
 
