@@ -191,6 +191,33 @@ def test_llama3_8b_at_128k_on_64_h100_splits_the_sequence() -> None:
     assert "CP ring attention 2/2 (K/V passes per step" in text, text
 
 
+def test_ring_blocks_in_flight_count_in_the_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    from autopar.capture import capture
+    from autopar.search import liveness
+    from autopar.search.peak import predict_peak
+    from samples.llama import Llama, LlamaConfig, example_batch
+
+    cfg = dataclasses.replace(LlamaConfig.tiny(), max_seq_len=64)
+    model, batch = Llama(cfg), example_batch(cfg, 2)
+    cluster = Cluster.preset("cpu", mesh=(4,), axis_names=("cp",))
+    plan = autopar.plan(model, batch, cluster=cluster, strategy="cp-ring")
+    seen: list[tuple[str, float]] = []
+    running = liveness._while_running
+    monkeypatch.setattr(
+        liveness,
+        "_while_running",
+        lambda live, n, b: (seen.append((n.name, b)), running(live, n, b)),
+    )
+    captured = capture(model, batch)
+    predict_peak(captured, plan)
+    attention = [n.name for n in plan.nodes if n.op.startswith("scaled_dot_product_attention")]
+    k = next(n for n in captured.gm.graph.nodes if n.name == attention[0]).args[1]
+    kv = 2 * k.meta["val"].numel() // 4 * 4  # local K and V: a quarter of the sequence, fp32
+    for name in attention:
+        assert [b for m, b in seen if m == name] == [3 * kv, 6 * kv], seen
+    assert all(b == 0 for m, b in seen if m not in attention)
+
+
 class _ThreadRing(Ring):
     """A ring of threads in one process: a rank's messages to another queue up in order."""
 

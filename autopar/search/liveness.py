@@ -26,6 +26,8 @@ those of the plan's local shards on the stage mesh. The step, as the runtime run
   and its outputs; the rest is made again before its first backward reader (or before
   that of a recomputed value computed from it) as `passes.recompute` emits it; a layer in
   `reshard_after_forward` gathers its weights again in backward;
+* while a node runs (`transient_bytes`, allocated and freed at the node, forward and
+  backward): ring attention's K/V blocks in flight, a sharded random op's whole draw;
 * optimizer: single-tensor AdamW (CPU) allocates two temporaries of the largest tensor it
   updates, foreach (GPU) one per tensor at once; ZeRO all-gathers the updated masters;
   then the gradients are freed.
@@ -43,12 +45,15 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Shard
 
 from autopar.capture import Captured
 from autopar.capture.export import layer_of
 from autopar.capture.operands import tensor_operands
 from autopar.capture.recompute_policy import recomputed
 from autopar.cost_models.memory import local_shape
+from autopar.passes.strategies.rules.attention import valid_ring
+from autopar.passes.strategies.rules.random_ops import whole_draw_bytes
 from autopar.plan import MEMORY_CATEGORIES as CATEGORIES
 from autopar.plan import Plan, parse_spec
 from autopar.search.fused_comm import Buckets, alloc_gathered, gather_groups
@@ -332,6 +337,7 @@ def _forward(step: _Step) -> None:
             if j not in probe.view_of:
                 extra = probe.extra_saved if j == 0 else 0.0
                 live.alloc(key, step.value_bytes(n, j) * (1 + extra), "activations")
+        _while_running(live, n, transient_bytes(step, n, backward=False))
         for key in step.dies_at.get(i, ()):
             live.free(key)
 
@@ -397,6 +403,7 @@ def _backward(step: _Step, again: dict, param_bytes: dict[str, Param]) -> None:
                 done.append((v[0], grads.pop(v)))
                 if not step.aot:
                     buckets.add(*done.pop(), param_bytes[v[0]])
+        _while_running(live, n, transient_bytes(step, n, backward=True))
         for j in range(_num_outputs(n)):
             key = grads.pop((n.name, j), None)
             if key is not None and j not in passed:
@@ -406,6 +413,32 @@ def _backward(step: _Step, again: dict, param_bytes: dict[str, Param]) -> None:
     buckets.close_all()
     for name, partial in done:  # a pipeline stage's backward program reduces at its end
         reduce_param_grad(step, name, partial, param_bytes[name])
+
+
+# ring attention's K/V blocks in flight besides its own (`rules.ring`): forward, the block
+# computed on, the next pass's flat buffer and its receive buffer; backward, as many for
+# the K/V pass and again for the travelling dK/dV accumulator
+RING_BLOCKS_IN_FLIGHT = {False: 3, True: 6}
+
+
+def transient_bytes(step: _Step, n: fx.Node, backward: bool) -> float:
+    """Bytes a node holds only while it runs (forward or backward): ring attention's K/V
+    blocks in flight, a sharded random op's whole draw (`rules.random_ops`)."""
+    if n.target == torch.ops.aten.scaled_dot_product_attention.default:
+        q, k = step.input_spec(n, 0), step.input_spec(n, 1)
+        if k and any(p == Shard(2) for p in k) and valid_ring(q, k):
+            ops = tensor_operands(n)[1:3]
+            kv = sum(step.value_bytes(*_resolve(op), step.input_spec(n, pos)) for pos, op in ops)
+            return kv * RING_BLOCKS_IN_FLIGHT[backward]
+    spec = step.output_spec(n, 0)
+    if not backward and spec and any(isinstance(p, Shard) for p in spec):
+        return whole_draw_bytes(n)
+    return 0.0
+
+
+def _while_running(live: _Live, n: fx.Node, nbytes: float) -> None:
+    live.alloc(("transient", n.name), nbytes, "activations")
+    live.free(("transient", n.name))
 
 
 def simulate_step(
