@@ -6,7 +6,9 @@ gradients (the issue's tolerance for pipelines: microbatch sums reorder float ad
 Schedules are spread over the meshes so that each one runs with DP and with TP inside its
 stages; interleaved and V-shaped schedules hold 2 virtual stages per rank. The zero-bubble
 schedules run each stage's backward split into its input- and weight-gradient halves
-(`runtime.zero_bubble`), and the simulator prices the halves as they run.
+(`runtime.zero_bubble`), and the simulator prices the halves as they run. The drop-less MoE
+(`samples/moe_dropless.py`, a region) runs pipelined on pp x dp: its aux-loss sum crosses
+the stage boundary and enters the next stage as the Partial its plan keeps.
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ def test_pipeline_matches_single_device(world, mesh, names, strategy, schedules)
         cases.append(ParityCase("gpt", (4,), ("cpu",), config="tiny4", steps=STEPS))
         # FSDP stages under ZBV: the weight-gradient halves reduce-scatter
         cases += _cases("gpt", mesh, names, "fsdp", ("zbv",))
+        # a region (the drop-less MoE) in an AOTAutograd stage; the aux-loss sum crosses
+        # the stage boundary complete and enters stage 1 as the Partial its plan keeps
+        moe = dict(config="tiny-dropless", steps=STEPS, schedule="1f1b", microbatches=2)
+        cases.append(ParityCase("moe", mesh, names, "dp", **moe))
     failures = []
     for res in run_parity(cases):
         if res.error:

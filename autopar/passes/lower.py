@@ -106,6 +106,10 @@ class PlacedInterpreter(fx.Interpreter):
             value = DTensor.from_local(value, self.mesh, self.replicated, run_check=False)
         if want is None or tuple(value.placements) == tuple(want):
             return value
+        if any(
+            w.is_partial() and c == Replicate() for w, c in zip(want, value.placements, strict=True)
+        ):
+            value = _ReplicateToPartial.apply(value, want)
         if all(
             w.is_partial() == c.is_partial() and (w.is_partial() or w == c)
             for w, c in zip(want, value.placements, strict=True)
@@ -124,6 +128,34 @@ class PlacedInterpreter(fx.Interpreter):
             if not any(p.is_partial() for p in out.placements):
                 out = out.redistribute(self.mesh, want)
         return out
+
+
+class _ReplicateToPartial(torch.autograd.Function):
+    """``value`` as the Partial ``want`` asks for on each axis where it is Replicate (a
+    complete value entering a pipeline stage whose plan keeps it partial, e.g. a running
+    loss sum): a sum keeps the value on the axis's first rank and zeros elsewhere (exact),
+    an average keeps it everywhere. Its gradient is the output's, made Replicate (each
+    partial counts once). DTensor refuses the forward step as internal."""
+
+    @staticmethod
+    def forward(ctx, value: DTensor, want) -> DTensor:
+        coordinate = value.device_mesh.get_coordinate()
+        assert coordinate is not None, "this rank is not in the mesh"
+        local, placements = local_tensor(value), list(value.placements)
+        for axis, (w, c) in enumerate(zip(want, value.placements, strict=True)):
+            if w.is_partial() and c == Replicate():
+                placements[axis] = w
+                if w.reduce_op == "sum" and coordinate[axis] != 0:
+                    local = torch.zeros_like(local)
+        ctx.placements = tuple(value.placements)
+        mesh, shape, stride = value.device_mesh, value.shape, value.stride()
+        return DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=shape, stride=stride
+        )
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        return grad.redistribute(grad.device_mesh, ctx.placements), None
 
 
 VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
