@@ -70,10 +70,16 @@ class Region(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} does not shard its experts")
 
     def flops(self, *inputs: Tensor) -> float:
-        return 0.0
+        raise NotImplementedError(
+            f"{type(self).__name__}: define flops(*inputs) (forward FLOPs on the whole "
+            "inputs) so that the search can price the region"
+        )
 
     def exchanged_bytes(self, *inputs: Tensor) -> float:
-        return 0.0
+        raise NotImplementedError(
+            f"{type(self).__name__}: define exchanged_bytes(*inputs) (bytes of one "
+            "all-to-all of the whole batch) so that the search can price split experts"
+        )
 
     def forward(self, *inputs: Tensor) -> Tensor | tuple[Tensor, ...]:
         inside: Callable | None = getattr(_CALL, "compute", None)

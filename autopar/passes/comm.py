@@ -19,7 +19,7 @@ never changes the issue order of the collectives among themselves: after bucketi
 collective is issued after the one before it in the program (on any process group),
 while waits still sink to their first reader and compute still moves. With one issue
 order on every rank and every wait after its issue, no group can wait on a peer that
-waits on it. Every plan runs the pass (`search.step.program_comm`), pipelined or not,
+waits on it. Every plan runs the pass, pipelined or not,
 even or uneven:
 
 1. Bucketing. Backward all-reduces and reduce-scatters read by the output only (gradient

@@ -65,7 +65,7 @@ from autopar.search.schedules import (
     simulate,
     weight_gradient_work,
 )
-from autopar.search.step import Part, overlapped_time, program_comm, program_parts
+from autopar.search.step import Part, overlapped_time, program_parts
 from autopar.search.to_plan import assemble_plan
 
 
@@ -431,9 +431,9 @@ _RETRIES = 2  # ILP re-solves under a tighter budget when no schedule fits
 
 
 def with_comm(result: IntraOpResult) -> None:
-    """The stage programs run the communication pass (`search.step.program_comm`): record
-    it on `result`, whose stage times are then priced with it (`stage_time`)."""
-    result.comm = program_comm(result.chosen, result.ctx.cluster.mesh_shape, DEFAULT_COMM)
+    """The stage programs run the communication pass (`passes.comm`): record it on
+    `result`, whose stage times are then priced with it (`stage_time`)."""
+    result.comm = DEFAULT_COMM
     result.info["comm_pass"] = result.comm is not None
 
 

@@ -80,7 +80,7 @@ from autopar.search.levers import (
 )
 from autopar.search.pins import SearchOptions, apply_pins
 from autopar.search.progress import phase
-from autopar.search.step import predicted_step_time, program_comm
+from autopar.search.step import predicted_step_time
 from autopar.search.to_plan import assemble_plan
 
 # (gather, gradient reduction) cost scales of the weight edges in the ILPs whose optima are
@@ -263,7 +263,7 @@ class IntraOpResult:
     reshard: dict[str, bool] = field(default_factory=dict)  # layer -> reshard after forward
     memory_plan: tuple[tuple, tuple] = ((), ())  # (MemoryPlan.recompute, reshard_after_forward)
     step_time: float = math.nan  # the step as the runtime runs it (module docstring)
-    comm: CommPlan | None = None  # the communication pass the program runs (`program_comm`)
+    comm: CommPlan | None = None  # the communication pass the program runs (`passes.comm`)
 
     def recomputed(self, n: fx.Node) -> bool:
         """Whether `n`'s output is recomputed in backward under its layer's policy."""
@@ -465,7 +465,7 @@ def _result(captured, built: _Built, strats, choices, solution: IntraOpSolution,
         levers.reshards(choices),
         (recompute, raf),
     )
-    result.comm = program_comm(chosen, ctx.cluster.mesh_shape, comm)
+    result.comm = comm
     result.info["comm_pass"] = result.comm is not None
     if result.comm is None:
         result.step_time = objective

@@ -44,8 +44,9 @@ are priced by the schedule simulator (`inter_op`), each stage's microbatch as it
 run with the pass (`overlapped_time` of the stage's parts with the gradient collectives
 its backward program runs: a sharded parameter's reduce-scatter, every microbatch; the
 replicated parameters' all-reduces run once per step, after the schedule,
-`inter_op.reduced_per_step`). `program_comm` says which pass
-a plan's program runs: `comm` for every plan, uneven shards included (`passes.comm`).
+`inter_op.reduced_per_step`). Every plan's program runs the pass (`passes.comm`), uneven
+shards included: the pass buckets only what every peer's program has alike and keeps the
+traced issue order of the collectives (tests/test_uneven.py).
 """
 
 from __future__ import annotations
@@ -67,9 +68,6 @@ from autopar.cost_models.buckets import (
 from autopar.plan import DEFAULT_COMM, CommPlan
 
 if TYPE_CHECKING:  # intra_op imports this module
-    import torch.fx as fx
-
-    from autopar.passes.strategies import NodeStrategy
     from autopar.search.intra_op import IntraOpResult
 
 
@@ -173,15 +171,3 @@ def _add_node(part: Part, n, result: IntraOpResult) -> None:
     # the collective runs before `n`: `n`'s forward is the first after it
     if activation_collective or part.tail is not None:
         part.tail = forward + (0.0 if activation_collective else part.tail)
-
-
-def program_comm(
-    chosen: dict[fx.Node, NodeStrategy], mesh_shape: tuple[int, ...], comm: CommPlan | None
-) -> CommPlan | None:
-    """The communication pass the program of `chosen` runs: `comm`, whatever its shards.
-    Uneven shards make the per-rank programs differ between peers (DTensor pads and narrows
-    on some ranks only); the pass decides its buckets from what every peer's program has
-    alike and keeps the traced issue order of the collectives (`passes.comm`), so peers
-    issue one group's collectives in one order even then (no hang: tests/test_uneven.py)."""
-    del chosen, mesh_shape  # every plan runs the pass (kept: the search's one place to ask)
-    return comm

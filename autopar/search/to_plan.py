@@ -107,7 +107,7 @@ def _node_plan(
 
 def _exchange_bytes(n: fx.Node) -> float:
     region = spec_of(n.target)
-    if region is None:
+    if region is None or not region.shards_experts:
         return 0.0
     return float(region.module.exchanged_bytes(*[a.meta["val"] for a in n.args[: region.n_inputs]]))
 
