@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from samples._moe_dropless import DroplessMoE
 from samples.llama import RMSNorm
-from samples.moe_dropless import DroplessMoE
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ Schedules are spread over the meshes so that each one runs with DP and with TP i
 stages; interleaved and V-shaped schedules hold 2 virtual stages per rank. The zero-bubble
 schedules run each stage's backward split into its input- and weight-gradient halves
 (`runtime.zero_bubble`), and the simulator prices the halves as they run. The drop-less MoE
-(`samples/moe_dropless.py`, a region) runs pipelined on pp x dp: its aux-loss sum crosses
+(`samples/_moe_dropless.py`, a region) runs pipelined on pp x dp: its aux-loss sum crosses
 the stage boundary and enters the next stage as the Partial its plan keeps.
 """
 

@@ -1,6 +1,6 @@
 """Regions (``autopar.Region``): a module captured, planned and lowered as one op.
 
-- The drop-less MoE (``samples/moe_dropless.py``) computes the same loss and gradients
+- The drop-less MoE (``samples/_moe_dropless.py``) computes the same loss and gradients
   through its region op (whose backward re-runs the forward) as its own ``compute`` under
   plain autograd, and captures as one op per layer with nothing data-dependent around it.
 - The search prices the region's all-to-alls and splits its experts by itself on a DGX-H100
@@ -32,8 +32,8 @@ from autopar.passes.strategies.rules.regions import (
     modes,
 )
 from autopar.views import axis_roles, summary
+from samples._moe_dropless import DroplessMoE
 from samples.moe import MOE_CONFIGS, MoEModel, build, example_batch
-from samples.moe_dropless import DroplessMoE
 
 
 def _grads(model: nn.Module) -> dict[str, Tensor]:

@@ -14,7 +14,7 @@
   checkpointing); ``strategy="ep"`` splits
   tokens and stacked expert weights (``samples/moe.py``), EP = 4 (top-2, shared expert),
   EP = 2 x DP 2 (top-1), and EP x TP+SP (top-2; the expert axis must show "dp+ep"); the
-  drop-less MoE (a region, ``samples/moe_dropless.py``, top-2) under EP = 2 x DP 2 (its
+  drop-less MoE (a region, ``samples/_moe_dropless.py``, top-2) under EP = 2 x DP 2 (its
   all-to-alls inside the region, on the second axis's process group).
   Losses, gradients and parameters match the single-device run (which drops the same
   tokens: routing is the same computation).

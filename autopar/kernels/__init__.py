@@ -9,7 +9,7 @@ Fused by :mod:`autopar.passes.fusion` (matched patterns, with sharding rules in
 :mod:`autopar.passes.strategies.rules.fused`): ``add_layer_norm``, ``add_rms_norm``,
 ``bias_gelu``, ``swiglu``, ``linear_cross_entropy``. Available as ops but not yet matched by
 the fusion pass: ``rope``, and ``moe_permute`` / ``moe_unpermute``, which the drop-less MoE
-region (``samples/moe_dropless.py``) calls on CUDA: their pattern needs per-expert row
+region (``samples/_moe_dropless.py``) calls on CUDA: their pattern needs per-expert row
 counts, a data-dependent shape that no captured graph holds, so it appears only inside a
 region (:mod:`autopar.capture.regions`), never in a graph the fusion pass could match.
 

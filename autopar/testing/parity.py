@@ -26,6 +26,7 @@ import copy
 import dataclasses
 import math
 import os
+import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -151,7 +152,7 @@ _RESULTS: dict[ParityCase, dict] = {}
 
 def rank_results(cases: list[dict]) -> list[dict]:
     """This rank's results for `cases` (`asdict(ParityCase)`), in order; a case that raises
-    gives a result with its traceback."""
+    gives a result with its traceback (also printed on stderr at once)."""
     results, plans = [], {}
     for raw in cases:
         case = ParityCase(
@@ -172,7 +173,11 @@ def rank_results(cases: list[dict]) -> list[dict]:
             with shared_capture(RANK_CAPTURES, source_key(case)):
                 results.append(asdict(run_case(case, plans)))
         except Exception:
-            results.append(asdict(ParityResult(case.label, error=traceback.format_exc())))
+            error = traceback.format_exc()
+            # shown now: a case failing on some ranks only leaves the others waiting in a
+            # collective, and the harness then dies on the backend's timeout, not here
+            print(f"[rank {dist.get_rank()}] {case.label} failed:\n{error}", file=sys.stderr)
+            results.append(asdict(ParityResult(case.label, error=error)))
         _RESULTS[case] = copy.deepcopy(results[-1])
         dist.barrier()
     return results

@@ -1,4 +1,5 @@
 """The drop-less MoE layer of ``samples/moe.py`` (``MoEConfig(dropless=True)``): a region.
+(A part of that sample, not a sample: the underscore keeps it out of the CLI's list.)
 
 Without a capacity every assignment is computed, so how many tokens each expert gets
 depends on the router's choices: shapes that torch.export cannot trace. The layer is an
