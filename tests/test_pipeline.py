@@ -273,7 +273,8 @@ def test_weight_gradients_are_the_weight_matmuls() -> None:
 def test_stages_are_priced_with_the_communication_pass() -> None:
     """Pipelined plans run the communication pass in their stage programs, priced so: an
     fsdp stage's per-layer fused, prefetched gathers cost less than its collectives waited
-    at once, one per tensor (the ILP's price, what a stage without the pass runs)."""
+    at once, one per tensor (the ILP's price, what a stage without the pass runs); its
+    activation sends are priced at the rank's shard, as `runtime.pipeline` sends them."""
     from dataclasses import replace
 
     import torch.distributed as dist
@@ -310,6 +311,9 @@ def test_stages_are_priced_with_the_communication_pass() -> None:
     waited = price_schedule(replace(costs, comm=None), "1f1b", 2, 4, job.cluster)
     assert best.step_time == price_schedule(costs, "1f1b", 2, 4, job.cluster).step_time
     assert best.step_time < waited.step_time
+    # a stage sends its rank's shard of the residual stream: a microbatch's 2 rows over dp
+    cfg = model.config
+    assert costs.boundary_bytes == 2 // 2 * cfg.block_size * cfg.n_embd * 4
     # the fsdp layers' gradient reduce-scatters run in every microbatch's backward
     scatters = [g for g in costs.parts[0].grads if not reduced_per_step(g)]
     assert scatters and all(g in costs.parts[0].program[0].grads for g in scatters)

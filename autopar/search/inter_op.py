@@ -46,6 +46,7 @@ from autopar.capture.export import layer_of
 from autopar.cluster import Cluster
 from autopar.cost_models.buckets import Grad, collective_times, fused_time
 from autopar.cost_models.comm import Collective, send_recv_time
+from autopar.cost_models.memory import local_numel
 from autopar.plan import (
     DEFAULT_COMM,
     SCHEDULES,
@@ -187,7 +188,7 @@ def layer_costs(captured: Captured, result: IntraOpResult) -> LayerCosts:
             post += cost
         else:
             pre += cost
-    boundary = _boundary_bytes(captured)
+    boundary = _boundary_bytes(captured, result)
     return LayerCosts(tuple(layers), tuple(parts), pre, post, boundary, result.comm)
 
 
@@ -196,8 +197,10 @@ def _grads(result: IntraOpResult, n, pos: int, op) -> list[Grad]:
     return result.ctx.grad_reductions(op, src, n, result.chosen[n], pos)
 
 
-def _boundary_bytes(captured: Captured) -> float:
-    """Bytes of the residual stream entering the second layer (what a stage sends)."""
+def _boundary_bytes(captured: Captured, result: IntraOpResult) -> float:
+    """Bytes of the residual stream entering the second layer as one rank sends it: its
+    local shard under the producer's chosen output placement (a Partial reduced first:
+    the stages exchange complete values, `runtime.pipeline.boundary_spec`)."""
     layers = layer_order(captured)
     if len(layers) < 2:
         return 0.0
@@ -206,7 +209,11 @@ def _boundary_bytes(captured: Captured) -> float:
             for a in n.all_input_nodes:
                 if layer_of(a) == layers[0] and isinstance(a.meta.get("val"), torch.Tensor):
                     v = a.meta["val"]
-                    return float(v.numel() * v.element_size())
+                    spec = result.chosen[a].outputs[0] if a in result.chosen else None
+                    if spec is None:
+                        return float(v.numel() * v.element_size())
+                    mesh = result.ctx.mesh_shape
+                    return float(local_numel(v.shape, spec, mesh) * v.element_size())
     return 0.0
 
 
