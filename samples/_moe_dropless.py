@@ -65,6 +65,16 @@ def _reference():
     return moe_permute
 
 
+def add_router_and_experts(module: nn.Module, config) -> None:
+    """The router ``[d -> E]`` and the stacked SwiGLU experts ``w1, w3 [E, d, f]``,
+    ``w2 [E, f, d]`` (both MoE layers of the sample hold them)."""
+    E, d, f = config.n_experts, config.dim, config.expert_hidden_dim
+    module.router = nn.Linear(d, E, bias=False)
+    module.w1 = nn.Parameter(torch.empty(E, d, f))
+    module.w3 = nn.Parameter(torch.empty(E, d, f))
+    module.w2 = nn.Parameter(torch.empty(E, f, d))
+
+
 class DroplessMoE(Region):
     """Top-k routed experts, every assignment computed; ``forward(x) -> (y, aux [G])``."""
 
@@ -73,11 +83,7 @@ class DroplessMoE(Region):
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        E, d, f = config.n_experts, config.dim, config.expert_hidden_dim
-        self.router = nn.Linear(d, E, bias=False)
-        self.w1 = nn.Parameter(torch.empty(E, d, f))
-        self.w3 = nn.Parameter(torch.empty(E, d, f))
-        self.w2 = nn.Parameter(torch.empty(E, f, d))
+        add_router_and_experts(self, config)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(expert [G T, k], gate [G T, k], aux [G]) for ``x`` [G, T, d]."""

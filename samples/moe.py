@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from samples._moe_dropless import DroplessMoE
+from samples._moe_dropless import DroplessMoE, add_router_and_experts
 from samples.llama import RMSNorm
 
 
@@ -104,11 +104,8 @@ class MoE(nn.Module):
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
         self.config = config
-        E, d, f = config.n_experts, config.dim, config.expert_hidden_dim
-        self.router = nn.Linear(d, E, bias=False)
-        self.w1 = nn.Parameter(torch.empty(E, d, f))
-        self.w3 = nn.Parameter(torch.empty(E, d, f))
-        self.w2 = nn.Parameter(torch.empty(E, f, d))
+        add_router_and_experts(self, config)
+        d, f = config.dim, config.expert_hidden_dim
         if config.shared_expert:
             self.shared_w1 = nn.Linear(d, f, bias=False)
             self.shared_w3 = nn.Linear(d, f, bias=False)
