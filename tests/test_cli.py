@@ -310,7 +310,8 @@ def _python(code: str, cwd: Path) -> str:
 
 def test_samples_load_by_path_and_are_not_installed(tmp_path: Path) -> None:
     """Outside the checkout no `samples` package is importable (autopar does not install
-    one), and loading a sample by name imports none."""
+    one), and loading a sample by name imports none; a sample that imports its siblings
+    finds them (the directory holding its package goes on the path)."""
     assert (
         _python("import importlib.util; print(importlib.util.find_spec('samples'))", tmp_path)
         == "None"
@@ -321,6 +322,12 @@ def test_samples_load_by_path_and_are_not_installed(tmp_path: Path) -> None:
         "print(type(m).__name__, [tuple(t.shape) for t in b], 'samples' in sys.modules)"
     )
     assert _python(code, tmp_path) == "MLP [(2, 32), (2, 32)] False"
+    # a sample importing its siblings (moe: samples.llama, samples._moe_dropless) loads too
+    code = (
+        "from autopar.cli.sources import load_model; "
+        "m, b = load_model('moe', 'tiny-dropless', 2); print(type(m.layers[0].moe).__name__)"
+    )
+    assert _python(code, tmp_path) == "DroplessMoE"
 
 
 @pytest.mark.multiproc

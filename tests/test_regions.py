@@ -111,3 +111,14 @@ class _WithBuffer(autopar.Region):
 def test_region_with_a_buffer_is_refused() -> None:
     with pytest.raises(TypeError, match="cannot hold buffers.*Fix"):
         _WithBuffer()(torch.ones(2, 4))
+
+
+def test_ep_pin_splits_a_regions_experts() -> None:
+    # the parity case of tests/test_sequence_parallel.py: tiny experts would rather be
+    # gathered than reached by all-to-all, but an "ep" axis runs the region expert-parallel
+    model = build("tiny-dropless")
+    cluster = Cluster.preset("cpu", mesh=(2, 2), axis_names=("dp", "ep"))
+    plan = autopar.plan(model, example_batch(model, 8), cluster=cluster, strategy=("dp", "ep"))
+    text = summary(plan)
+    assert "ep: EP expert weights 6/6, EP regions 2 (all-to-all per step" in text, text
+    assert "all_gather" not in text, text  # no expert weight gathered

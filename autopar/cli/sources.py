@@ -124,6 +124,7 @@ def import_source(source: ModelSource) -> ModuleType:
     name = f"autopar_model_{source.path.stem}_{digest}"
     if name in sys.modules:
         return sys.modules[name]
+    _importable_package(source.path)
     spec = importlib.util.spec_from_file_location(name, source.path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -134,6 +135,15 @@ def import_source(source: ModelSource) -> ModuleType:
         del sys.modules[name]
         raise
     return module
+
+
+def _importable_package(path: Path) -> None:
+    """A file inside a package (``samples/moe.py`` importing ``samples.llama``) imports its
+    siblings by the package's name: put the directory holding the package on the path."""
+    if (path.parent / "__init__.py").is_file():
+        root = str(path.parent.parent)
+        if root not in sys.path:
+            sys.path.append(root)
 
 
 def check_source(source: ModelSource, config: str | None) -> ModuleType:

@@ -20,7 +20,8 @@ name applies to every axis. A role pins only what defines it and leaves the rest
           "cp-gather" pin the variant (K split on the sequence, or K Replicate)
     ep    as dp, but stacked expert weights (3-D parameters `[E, ...]`) Shard(0): the
           expert matmuls run on the local experts, dispatched tokens reach them by an
-          all-to-all (token-split Shard(1) -> expert-split Shard(0) of `[E, G*C, d]`)
+          all-to-all (token-split Shard(1) -> expert-split Shard(0) of `[E, G*C, d]`);
+          a region (`autopar.Region`) splits its experts on the axis (its own all-to-alls)
     auto  nothing pinned
 
 `placements` pins single parameters (or inputs) by name: {"lm_head.weight": "S(0),R"}.
@@ -42,6 +43,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autopar.capture import Captured
 from autopar.options import CP_ROLES, ROLES, PlanOptions
 from autopar.passes.strategies import NodeStrategy
+from autopar.passes.strategies.rules.regions import experts_axis_of, spec_of
 from autopar.passes.strategies.rules.sequence import is_norm, seq_sharded
 from autopar.plan import parse_spec, spec_str
 
@@ -150,7 +152,8 @@ def _pin_compute(
     captured: Captured, strats: dict[fx.Node, list[NodeStrategy]], roles: tuple[str, ...]
 ) -> None:
     """dp/fsdp axes keep every batch-derived tensor batch-sharded (Shard(0); a 0-d loss may be
-    Partial); tp (and sp) axes split every batch-derived matmul over its features (column:
+    Partial), and on an ep axis a region (`autopar.Region`) splits its experts there; tp
+    (and sp) axes split every batch-derived matmul over its features (column:
     output Shard(last), row: Partial); sp axes also shard every norm on the sequence dim;
     cp axes split every attention's queries on the sequence.
     A node with no such strategy keeps its choices."""
@@ -160,6 +163,8 @@ def _pin_compute(
         for axis, role in enumerate(roles):
             if axis_role_is_data(role):
                 keep = [s for s in strats[n] if _batch_sharded(s, n, axis)]
+                if role == "ep" and _shards_experts(n):  # a region: its experts split here
+                    keep = [s for s in keep if experts_axis_of(n, s) == axis]
             elif role in ("tp", "sp") and n.target in MATMULS:
                 keep = [s for s in strats[n] if _feature_split(s, axis)]
             elif role in CP_ROLES and n.target == aten.scaled_dot_product_attention.default:
@@ -170,6 +175,11 @@ def _pin_compute(
                 continue
             if keep:
                 strats[n] = keep
+
+
+def _shards_experts(n: fx.Node) -> bool:
+    region = spec_of(n.target)
+    return region is not None and region.shards_experts
 
 
 def _batch_sharded(s: NodeStrategy, n: fx.Node, axis: int) -> bool:
