@@ -314,9 +314,12 @@ def price_schedule(
     microbatches: int | tuple[int, ...],
     cluster: Cluster,
     cuts: tuple[int, ...] | None = None,
+    span: Callable[[int, int], float] | None = None,
 ) -> PricedSchedule:
     """`microbatches`: a count, or the counts of `PipelineOptions.groups` (every
-    microbatch priced at the captured, largest one's costs)."""
+    microbatch priced at the captured, largest one's costs). `span`: `_stage_spans(lc,
+    stage_cluster(cluster))`, shared by the schedules priced on the same costs (its
+    memo of stage prices is most of what cutting the stages costs)."""
     virtual = SCHEDULES[schedule]
     num = pp * virtual
     if cuts is not None and len(cuts) != num:
@@ -326,7 +329,7 @@ def price_schedule(
         )
     sub = stage_cluster(cluster)  # the mesh axes of the stage programs' collectives
     if cuts is None:
-        cuts = balanced_cuts(lc.time, num, _stage_spans(lc, sub))
+        cuts = balanced_cuts(lc.time, num, span or _stage_spans(lc, sub))
     stages = _stage_parts(lc, cuts)
     pp_axis = cluster.axis_names.index("pp")
     p2p = send_recv_time(lc.boundary_bytes, cluster.links[pp_axis])
@@ -448,9 +451,11 @@ def _price_schedules(lc, candidates, pp, cluster, pipeline, limit):
     """(schedules that fit, why the others do not, the least peak of those priced)."""
     priced: list[PricedSchedule] = []
     failures, least = [], math.inf
+    span = _stage_spans(lc, stage_cluster(cluster))
     for sched in candidates:
         try:
-            p = price_schedule(lc, sched, pp, pipeline.groups, cluster, pipeline.stage_cuts)
+            cuts = pipeline.stage_cuts
+            p = price_schedule(lc, sched, pp, pipeline.groups, cluster, cuts, span)
         except ValueError as exc:
             failures.append(f"{sched}: {exc}")
             continue
