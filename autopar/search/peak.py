@@ -186,15 +186,18 @@ def _combine(
     the first backward (k - 1 other microbatches in flight, no gradient accumulated yet),
     the last (nothing else in flight, every earlier microbatch's gradients held) and the
     gradient reduction after it (`stage_gradients`: the state, the accumulated gradients,
-    the flat shards made so far and one bucket)."""
+    the flat shards made so far and one bucket). `in_flight` counts the rank's
+    stage-microbatches together (`schedules.simulate`): with v stages per rank, each
+    stage's simulation holds one, and the rest are held at the largest stage's `kept`."""
     first = dict.fromkeys(CATEGORIES, 0.0)
+    others = max(in_flight - len(sims), 0.0) * max((p.kept for p in sims), default=0.0)
+    first["activations"] += others
     last = dict.fromkeys(CATEGORIES, 0.0)
     sync = dict.fromkeys(CATEGORIES, 0.0)
     for p, (accumulated, shards, bucket) in zip(sims, grads, strict=True):
         for c, b in p.breakdown.items():
             first[c] += b
             last[c] += b
-        first["activations"] += (max(in_flight, 1) - 1) * p.kept
         if microbatches > 1:
             last["gradients"] += max(accumulated - p.breakdown["gradients"], 0.0)
         for c in ("parameters", "optimizer_state", "buffers"):
