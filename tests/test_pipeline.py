@@ -13,6 +13,8 @@ the stage boundary and enters the next stage as the Partial its plan keeps.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from autopar.plan import SCHEDULES, stage_ranks
@@ -282,9 +284,11 @@ def test_stages_are_priced_with_the_communication_pass() -> None:
     from autopar._compat import FakeStore
     from autopar.cluster import Cluster
     from autopar.options import PlanOptions
-    from autopar.plan import DEFAULT_COMM
+    from autopar.plan import DEFAULT_COMM, SCHEDULES
     from autopar.planning import prepare
     from autopar.search.inter_op import (
+        Dominated,
+        _price_schedules,
         layer_costs,
         price_schedule,
         reduced_per_step,
@@ -317,6 +321,14 @@ def test_stages_are_priced_with_the_communication_pass() -> None:
     # the fsdp layers' gradient reduce-scatters run in every microbatch's backward
     scatters = [g for g in costs.parts[0].grads if not reduced_per_step(g)]
     assert scatters and all(g in costs.parts[0].program[0].grads for g in scatters)
+    # the layout search's prune: the stages' work bounds every schedule's step from below
+    every = replace(job.pipeline, schedule=None)
+    priced, _, _ = _price_schedules(costs, list(SCHEDULES), 2, job.cluster, every, math.inf)
+    fastest = min(p.step_time for p in priced)
+    assert len(priced) >= 4
+    _price_schedules(costs, list(SCHEDULES), 2, job.cluster, replace(every, bar=fastest), math.inf)
+    with pytest.raises(Dominated):
+        _price_schedules(costs, ["1f1b"], 2, job.cluster, replace(every, bar=fastest / 2), math.inf)
 
 
 def test_step_text_says_what_a_pipelined_step_is_made_of() -> None:

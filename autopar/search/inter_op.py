@@ -21,8 +21,10 @@ ranks, and gives each rank's peak in-flight microbatches, which multiplies its s
 activation memory. A rank all-reduces its replicated parameters' gradients once per step,
 after the last backward (`reduced_per_step`, `runtime.pipeline.sync_gradients`), as one
 flat buffer per (collective, mesh axis, dtype) (`cost_models.buckets.fused_time`: the
-bytes summed, one latency per buffer), waited in full after the timeline. A schedule whose ranks do not fit
-in device memory is dropped; the fastest remaining one wins. When none fits, the ILP is
+bytes summed, one latency per buffer), waited in full after the timeline. A schedule whose
+ranks do not fit in device memory is dropped; the fastest remaining one wins; none is priced
+when the stages' work alone reaches the layout search's best step (`Dominated`, from
+`PipelineOptions.bar`: cutting and simulating cost ~1 s per layout). When none fits, the ILP is
 solved again (twice at most) under a budget shrunk by limit / least peak, so that it turns
 to its memory levers (recompute, reshard after forward) or shards more. A rank's memory
 counts the weights its layers keep gathered until backward (`IntraOpResult.held_weights`);
@@ -76,6 +78,7 @@ class PipelineOptions:
     schedule: str | None = None  # None: search all
     stage_cuts: tuple[int, ...] | None = None  # None: balanced by cost
     rows: int | None = None  # the batch's; None: the microbatch count divides it
+    bar: float = math.inf  # the layout search's best step: schedules that cannot beat it
 
     @property
     def groups(self) -> tuple[int, ...]:
@@ -440,6 +443,10 @@ def solve_pipeline(
 _RETRIES = 2  # ILP re-solves under a tighter budget when no schedule fits
 
 
+class Dominated(Exception):  # noqa: N818 - not an error: the layout loses
+    """No schedule of this layout can beat `PipelineOptions.bar` (not an infeasibility)."""
+
+
 def with_comm(result: IntraOpResult) -> None:
     """The stage programs run the communication pass (`passes.comm`): record it on
     `result`, whose stage times are then priced with it (`stage_time`)."""
@@ -452,10 +459,14 @@ def _price_schedules(lc, candidates, pp, cluster, pipeline, limit):
     priced: list[PricedSchedule] = []
     failures, least = [], math.inf
     span = _stage_spans(lc, stage_cluster(cluster))
+    # each rank runs its stages for every microbatch back to back (DualPipeV's pairs too), a
+    # stage's time at least its share of the whole's (first gathers, last buckets add up)
+    bound = pipeline.microbatches * span(0, len(lc.layers)) / pp
+    if bound >= pipeline.bar:
+        raise Dominated(f"work bound {bound:.4g} s >= best {pipeline.bar:.4g} s")
     for sched in candidates:
         try:
-            cuts = pipeline.stage_cuts
-            p = price_schedule(lc, sched, pp, pipeline.groups, cluster, cuts, span)
+            p = price_schedule(lc, sched, pp, pipeline.groups, cluster, pipeline.stage_cuts, span)
         except ValueError as exc:
             failures.append(f"{sched}: {exc}")
             continue
@@ -484,9 +495,7 @@ def search_pipeline(
         best.peak_memory,
         {**result.info, "schedules": schedules, **best.info()},
         priced=result.priced,
-        memory=MemoryPlan(
-            recompute=result.memory_plan[0], reshard_after_forward=result.memory_plan[1]
-        ),
+        memory=MemoryPlan(*result.memory_plan),  # (recompute, reshard_after_forward)
         comm=result.comm,
     )
     return replace(plan, pipeline=pipeline_plan(captured, cluster, pipeline, best))

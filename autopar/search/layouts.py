@@ -46,7 +46,7 @@ from autopar.cluster import Cluster
 from autopar.cost_models import compute
 from autopar.search.costs import VIEW_OPS
 from autopar.search.ilp import MemoryInfeasible, SolverTimeout
-from autopar.search.inter_op import PipelineOptions
+from autopar.search.inter_op import Dominated, PipelineOptions
 from autopar.search.pins import SearchOptions
 from autopar.search.progress import candidate, phase
 from autopar.search.schedules import microbatch_rows
@@ -117,8 +117,11 @@ class _Pricer:
         per_mb = compute_bound(tpl, self.cluster, layout.dp * layout.tp)
         return per_mb * layout.microbatches / layout.pp
 
-    def price(self, layout: Layout, schedule: str | None) -> tuple[float, float, Layout]:
-        """(step seconds, peak bytes, the layout with its schedule); ValueError if none fits."""
+    def price(
+        self, layout: Layout, schedule: str | None, bar: float = math.inf
+    ) -> tuple[float, float, Layout]:
+        """(step seconds, peak bytes, the layout with its schedule); ValueError if none fits,
+        `Dominated` if a pipeline's stages cannot beat `bar` (then no schedule is priced)."""
         rows = self.batch[0].shape[0]
         tpl = self.template(microbatch_rows(rows, layout.microbatches)[0])  # the largest
         cluster = layout.cluster(self.cluster)
@@ -128,7 +131,7 @@ class _Pricer:
         if layout.pp == 1:
             result = solve_on_template(tpl, cluster, mesh, self.options, None)
             return result.step_time, result.memory, layout
-        pipeline = PipelineOptions(layout.microbatches, schedule, rows=rows)
+        pipeline = PipelineOptions(layout.microbatches, schedule, rows=rows, bar=bar)
         result, best, _ = solve_on_template(tpl, cluster, mesh, self.options, pipeline)
         chosen = Layout(layout.pp, layout.dp, layout.tp, layout.microbatches, best.schedule)
         return best.step_time, best.peak_memory, chosen
@@ -230,16 +233,22 @@ def _price_all(
 ) -> tuple[float, float, Layout] | None:
     """The fastest of one degree's layouts (most microbatches first: once one does not
     fit, larger microbatches will not either); a layout whose compute bound reaches `bar`
-    cannot win and is not priced."""
+    cannot win and is not priced, nor are a pipeline's schedules once its ILP's stage work
+    reaches it (`inter_op.Dominated`)."""
     best = None
     for layout in layouts:
+        beat = bar if best is None else min(bar, best[0])  # the best so far, this degree's too
         bound = pricer.bound(layout)
-        if bound >= bar:
-            tried[layout.key] = f"pruned: compute bound {bound:.4g} s >= best {bar:.4g} s"
+        if bound >= beat:
+            tried[layout.key] = f"pruned: compute bound {bound:.4g} s >= best {beat:.4g} s"
             candidate(layout.key, None)
             continue
         try:
-            found = pricer.price(layout, schedule)
+            found = pricer.price(layout, schedule, beat)
+        except Dominated as exc:  # its ILP ran, its schedules did not: a larger count may win
+            tried[layout.key] = f"pruned: {exc}"
+            candidate(layout.key, None)
+            continue
         except (MemoryInfeasible, ValueError) as exc:
             tried[layout.key] = f"infeasible: {str(exc).splitlines()[0][:100]}"
             candidate(layout.key, None)
