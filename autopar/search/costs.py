@@ -311,16 +311,29 @@ class CostContext:
         fwd, bwd = self.edge_parts(op, src, v, s, pos)
         return self.weights.of(v) * (fwd + self.sync_weight(op, src) * bwd)
 
-    def sync_weight(self, op: Operand, src) -> float:
-        """How often the backward part of an edge reading `op` (spec `src`) counts per
-        microbatch: a weight's gradient stored replicated is all-reduced once per step
-        (`CostWeights.sync`), one stored sharded is reduce-scattered in every
-        microbatch's backward (the pipeline runtime's `sync_gradients` defers only
-        replicated axes; an HSDP weight is counted at the per-microbatch rate)."""
-        if not self.is_weight(op.producer):
+    def sync_weight(self, op: Operand, src, v: fx.Node, s: NodeStrategy, pos: int) -> float:
+        """How often the backward part of an edge reading `op` (spec `src`) as input `pos`
+        of `v` running `s` counts per microbatch, as the pipeline runtime reduces weight
+        gradients: an all-reduce (the gradient of a parameter replicated on that axis, left
+        partial by `runtime.pipeline._DeferGradSync`) once per step (`CostWeights.sync`),
+        any other collective (a sharded axis's reduce-scatter) in every microbatch's
+        backward. A mixed edge counts each part at its rate (by its time). A Megatron TP
+        weight, sharded on tp and replicated on dp, is all-reduced on dp once per step:
+        priced per microbatch, the ILP stored it replicated on tp too, or FSDP-sharded."""
+        if not self.is_weight(op.producer) or self.weights.sync == 1.0:
             return 1.0
-        sharded = src is not None and any(p.is_shard() for p in src)
-        return 1.0 if sharded else self.weights.sync
+        grads = self.grad_reductions(op, src, v, s, pos)
+        times = [
+            (kind, comm.collective_time(kind, nbytes, axis, self.cluster))
+            for _, kind, axis, nbytes in grads
+        ]
+        total = sum(t for _, t in times)
+        if not total:
+            return 1.0
+        deferred = sum(
+            t for kind, t in times if comm.Collective(kind) is comm.Collective.ALL_REDUCE
+        )
+        return (deferred * self.weights.sync + total - deferred) / total
 
     def edge_parts(self, op: Operand, src, v: fx.Node, s: NodeStrategy, pos: int):
         """(forward reshard, backward gradient reshard) in seconds of the value `op` reads

@@ -218,8 +218,8 @@ def price_scales(
 
 
 def _edge_terms(dec: Decisions, rep, index, strats, ctx: CostContext) -> list[tuple]:
-    """Per operand edge, in order: (ILP pair, weight or not, its weight, gradient syncs per
-    source choice, its (forward, backward) parts per choice pair)."""
+    """Per operand edge, in order: (ILP pair, weight or not, its weight, gradient syncs and
+    (forward, backward) parts per choice pair)."""
     terms = []
     for d, item in enumerate(dec.items):
         v_node, v_map = item.members[0]
@@ -229,7 +229,7 @@ def _edge_terms(dec: Decisions, rep, index, strats, ctx: CostContext) -> list[tu
             srcs = [ctx.output_spec(op, strats[op.producer][ju]) for ju in map_u]
             ss = [strats[v_node][jv] for jv in v_map]
             weight = ctx.is_weight(op.producer)  # as `CostContext.weighted_edge_cost` counts
-            syncs = [ctx.sync_weight(op, src) for src in srcs]
+            syncs = [[ctx.sync_weight(op, src, v_node, s, pos) for s in ss] for src in srcs]
             parts_of = ctx.edge_part_matrices(op, srcs, v_node, ss, pos)
             terms.append((key, weight, ctx.weights.of(v_node), syncs, parts_of))
     return terms
@@ -241,8 +241,8 @@ def _edges(terms: list[tuple], scale: tuple[float, float]) -> tuple[Edge, ...]:
     for key, weight, w, syncs, parts_of in terms:
         scaled = scale != (1.0, 1.0) and weight
         mat = acc.setdefault(key, [[0.0] * len(parts_of[0]) for _ in parts_of])
-        for row, parts, sync in zip(mat, parts_of, syncs, strict=True):
-            for cv, (fwd, bwd) in enumerate(parts):
+        for row, parts, sync_row in zip(mat, parts_of, syncs, strict=True):
+            for cv, ((fwd, bwd), sync) in enumerate(zip(parts, sync_row, strict=True)):
                 if scaled:
                     row[cv] += w * (scale[0] * fwd + scale[1] * sync * bwd)
                 else:
