@@ -396,3 +396,28 @@ def test_ring_price_spreads_the_balanced_causal_split_and_adds_its_swaps() -> No
     assert ring_forward_time(n * step, n, kv, link) == pytest.approx(n * step)
     no_swaps = HalfBytes(0.0, 0.0, 0.0)
     assert ring_forward_time(n * step, n, kv, link, no_swaps) > 1.2 * n * step
+
+
+def test_pipelines_price_a_weights_all_reduce_once_per_step() -> None:
+    """In a pipeline (4 microbatches: `CostWeights.sync` = 1/4) a weight gradient's
+    all-reduce runs once per step, as `runtime.pipeline` defers every replicated axis,
+    whatever the weight's other axes: Megatron's TP weight (sharded on tp, replicated on
+    dp) counts 1/4; an FSDP weight's reduce-scatter runs in every microbatch's backward."""
+    from autopar.capture import capture
+    from autopar.capture.analysis import batch_dependent
+    from autopar.capture.operands import tensor_operands
+    from autopar.passes.strategies import NodeStrategy
+    from autopar.search.costs import CostContext, CostWeights
+
+    lin = nn.Linear(24, 40, bias=False)
+    captured = capture(lin, (torch.randn(12, 24),), loss_fn=lambda y: y.sum())
+    cluster = Cluster.preset("cpu", mesh=(2, 2), axis_names=("dp", "tp"))
+    weights = CostWeights(sync=0.25)
+    ctx = CostContext(cluster, weights=weights, batch_dependent=batch_dependent(captured))
+    mm = next(n for n in captured.gm.graph.nodes if n.target == torch.ops.aten.mm.default)
+    pos, w = next((p, op) for p, op in tensor_operands(mm) if ctx.is_weight(op.producer))
+    megatron = NodeStrategy(((S0, R), (R, S1)), ((S0, S1),))  # column-parallel, batch on dp
+    assert ctx.sync_weight(w, (R, S1), mm, megatron, pos) == 0.25
+    assert ctx.sync_weight(w, (S0, S1), mm, megatron, pos) == 1.0  # FSDP on dp
+    unpipelined = CostContext(cluster, batch_dependent=batch_dependent(captured))
+    assert unpipelined.sync_weight(w, (R, S1), mm, megatron, pos) == 1.0

@@ -328,11 +328,9 @@ class CostContext:
             for _, kind, axis, nbytes in grads
         ]
         total = sum(t for _, t in times)
-        if not total:
-            return 1.0
-        deferred = sum(
-            t for kind, t in times if comm.Collective(kind) is comm.Collective.ALL_REDUCE
-        )
+        deferred = sum(t for kind, t in times if kind == comm.Collective.ALL_REDUCE)
+        if not deferred or deferred == total:  # all at one rate (exactly)
+            return self.weights.sync if deferred else 1.0
         return (deferred * self.weights.sync + total - deferred) / total
 
     def edge_parts(self, op: Operand, src, v: fx.Node, s: NodeStrategy, pos: int):
