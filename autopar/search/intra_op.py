@@ -46,10 +46,8 @@ time is the objective.
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -70,7 +68,7 @@ from autopar.search.ilp import (
     MemoryInfeasible,
     SolverTimeout,
     evaluate,
-    solve_intra_op,
+    solve_all,
 )
 from autopar.search.levers import (
     CHOICES,
@@ -370,26 +368,6 @@ def solve_intra(
         solve_time_s=solve_s, search_time_s=time.perf_counter() - t0, step_candidates=len(seen)
     )
     return best
-
-
-def solve_all(problems: list[IntraOpProblem]) -> list[IntraOpSolution | Exception]:
-    """Each problem's solution (or the exception its solve raised), in order. The solvers
-    run in C++ without the GIL, so the problems are solved on a thread each, as many at once
-    as this process has cores: the three cost scales of a Llama-3-8B template, ~4 s each,
-    take ~7 s on 2 cores instead of ~12."""
-
-    def solve(problem: IntraOpProblem) -> IntraOpSolution | Exception:
-        try:
-            return solve_intra_op(problem)
-        except (MemoryInfeasible, SolverTimeout, ValueError, RuntimeError) as exc:
-            return exc
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    workers = min(len(problems), cores or 1)
-    if workers <= 1:
-        return [solve(p) for p in problems]
-    with ThreadPoolExecutor(workers, thread_name_prefix="autopar-ilp") as pool:
-        return list(pool.map(solve, problems))
 
 
 @dataclass
