@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -150,7 +151,26 @@ class PlanJob:
         plan = replace(plan, fusion=applied, fused_regions=regions, memory=memory)
         # what the runtime really holds at its peak (a liveness simulation of the step)
         with phase("assembly"):
-            return with_predicted_memory(captured, plan, options.optimizer_states)
+            plan = with_predicted_memory(captured, plan, options.optimizer_states)
+        warn_if_over_memory(plan, self.cluster)
+        return plan
+
+
+def warn_if_over_memory(plan: Plan, cluster: Cluster) -> None:
+    """The search fits its own price of the memory under the limit; the liveness simulation
+    of the step it chose (`Plan.predicted_peak_memory`) may still exceed the device, where
+    the two models disagree: say so, with the fix, rather than let the run fail there."""
+    peak, device = plan.predicted_peak_memory, cluster.device.memory_bytes
+    if peak > device:
+        warnings.warn(
+            f"the plan's predicted peak is {peak / 2**30:.1f} GiB per device (a liveness "
+            f"simulation of the step), above the device's {device / 2**30:.1f} GiB, though "
+            f"the search priced {plan.solver.get('ilp_memory', peak) / 2**30:.1f} GiB: the "
+            "run may run out of memory. Fix: plan with a lower memory_limit= (e.g. "
+            f"{0.8 * device * device / peak / 2**30:.0f} GiB), activation_checkpointing="
+            "'full', or more devices.",
+            stacklevel=3,
+        )
 
 
 def prepare(

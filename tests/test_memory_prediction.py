@@ -177,3 +177,20 @@ def test_pipeline_ranks_hold_their_microbatches_in_flight():
         assert covered == set(probe_graph(captured))
     assert peaks["gpipe"] > peaks["1f1b"]
     assert peaks["gpipe"] >= max(peaks["interleaved1f1b"], peaks["zbv"]), peaks
+
+
+def test_a_plan_predicted_above_the_device_warns_with_the_fix(toy):
+    """The liveness simulation of the chosen step is the last word on memory: a plan it
+    puts above the device's memory warns (the cause and the fix), one below it is quiet."""
+    import warnings
+
+    from autopar.planning import warn_if_over_memory
+
+    _, plan = toy
+    cluster = autopar.Cluster.preset("cpu", mesh=(1,), axis_names=("dp",), devices_per_node=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_over_memory(plan, cluster)
+    over = dataclasses.replace(plan, predicted_peak_memory=2.0 * cluster.device.memory_bytes)
+    with pytest.warns(UserWarning, match=r"above the device's .* Fix: plan with a lower"):
+        warn_if_over_memory(over, cluster)
