@@ -19,6 +19,7 @@ does not suffice:
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import math
 from collections.abc import Callable, Iterator
@@ -79,6 +80,10 @@ from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 from torch.distributed.tensor.placement_types import Placement
 from torch.distributed.tensor.placement_types import _MaskPartial as MaskPartial
 
+# a column-split fused projection (`passes.strategies.strided`): a dim of k pieces, each split
+# over the axis (DTensor's own layout for it; no public name).
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
+
 # capture / lowering: tracing a DTensor program into a plain per-rank graph. make_fx is the
 # tracer for this (torch.export cannot trace through a tensor subclass's dispatch).
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
@@ -88,7 +93,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 # measured memory (runtime/memory_stats.py): a dispatch mode that sees every op's outputs
 # (public only under this private module).
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 # lowering: an op's (args, kwargs) flattened to leaves and rebuilt (torch 2.13 has no public
 # torch.utils.pytree).
@@ -100,6 +105,7 @@ __all__ = [
     "FakeStore",
     "LocalTensorMode",
     "MaskPartial",
+    "StridedShard",
     "OpOverload",
     "OpSchema",
     "OpSpec",
@@ -224,6 +230,28 @@ def no_dtensor_redistribute_costs() -> Iterator[None]:
     finally:
         for m, fn in saved:
             m.generate_redistribute_costs = fn
+
+
+def untraced_strided_offsets() -> None:
+    """DTensor computes a ``_StridedShard``'s local sizes and offsets with an index tensor
+    and ``.tolist()`` (``local_shard_size_and_offset``, run by every redistribution of a
+    strided shard). Traced inside a pipeline stage's AOTAutograd program that is a
+    data-dependent read of a functional tensor, which fails; for plain int sizes it is
+    index arithmetic on the host, so it runs here with the tracing and dispatch modes off.
+    Idempotent."""
+    original = StridedShard.local_shard_size_and_offset
+    if getattr(original, "autopar_untraced", False):
+        return
+
+    @functools.wraps(original)
+    def untraced(self, *args: Any, **kwargs: Any):
+        if any(not isinstance(a, (int, enum.Enum)) for a in (*args, *kwargs.values())):
+            return original(self, *args, **kwargs)  # symbolic or per-rank sizes
+        with _disable_current_modes(), disable_proxy_modes_tracing():
+            return original(self, *args, **kwargs)
+
+    untraced.autopar_untraced = True  # type: ignore[attr-defined]
+    StridedShard.local_shard_size_and_offset = untraced
 
 
 @contextlib.contextmanager

@@ -28,7 +28,7 @@ from pathlib import Path
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from autopar._compat import is_mask_partial
+from autopar._compat import StridedShard, is_mask_partial
 
 # 2: `fusion` is the mode, the regions are `fused_regions`; 3: `comm`, and
 # `predicted_step_time` is the overlapped step (version 2 recorded the ILP's bound there)
@@ -42,6 +42,8 @@ Spec = tuple[Placement, ...]
 
 
 def placement_str(p: Placement) -> str:
+    if isinstance(p, StridedShard):  # dim p.dim as split_factor pieces, each split
+        return f"SS({p.dim}:{p.split_factor})"
     if isinstance(p, Shard):
         return f"S({p.dim})"
     if isinstance(p, Replicate):
@@ -62,7 +64,10 @@ def parse_placement(text: str) -> Placement:
         return Partial(text[2:-1])
     if text.startswith("S(") and text.endswith(")"):
         return Shard(int(text[2:-1]))
-    raise ValueError(f"'{text}' is not a placement (expected R, P or S(dim))")
+    if text.startswith("SS(") and text.endswith(")") and ":" in text:
+        dim, pieces = text[3:-1].split(":")
+        return StridedShard(int(dim), split_factor=int(pieces))
+    raise ValueError(f"'{text}' is not a placement (expected R, P, S(dim) or SS(dim:pieces))")
 
 
 def spec_str(spec: Spec | None) -> str | None:

@@ -62,7 +62,7 @@ def _producer_spec(plan: Plan, node, pos: int) -> str:
 # "auto", so its axes are pinned; fused, its RMSNorms become add_rms_norm with two outputs.
 CASES = [
     ("gpt", "small", "auto", {}, "native_layer_norm.default"),
-    ("llama", "tiny", ("dp", "tp"), {}, "split_with_sizes.default"),
+    ("llama", "tiny", ("dp", "tp"), {}, "unbind.int"),  # an equal split (capture.splits)
     ("llama", "tiny", ("dp", "tp"), {"fusion": "triton"}, "autopar.add_rms_norm.default"),
 ]
 

@@ -23,8 +23,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from autopar._compat import FakeStore, LocalTensorMode, MaskPartial
+from autopar._compat import FakeStore, LocalTensorMode, MaskPartial, StridedShard
 from autopar.capture.batch_norm import BATCH_NORM_DECOMPOSITIONS
+from autopar.capture.splits import unflatten_equal_splits
 from autopar.passes.strategies import (
     NodeStrategy,
     Spec,
@@ -139,13 +140,15 @@ class StatsBackward(nn.Module):
 
 def export(model: nn.Module, args: tuple) -> torch.export.ExportedProgram:
     """As the capture stage does: core ATen, sdpa and nll_loss_forward kept whole, BatchNorm
-    as autopar's per-channel sums."""
+    as autopar's per-channel sums, equal splits as view + unbind."""
     ep = torch.export.export(model, args, strict=False)
     table = torch.export.default_decompositions()
     del table[aten.scaled_dot_product_attention.default]
     table.pop(aten.nll_loss_forward.default, None)
     table.update(BATCH_NORM_DECOMPOSITIONS)
-    return ep.run_decompositions(table)
+    ep = ep.run_decompositions(table)
+    unflatten_equal_splits(ep.graph_module)
+    return ep
 
 
 def gpt_args() -> tuple[torch.Tensor, torch.Tensor]:
@@ -322,8 +325,31 @@ def _partial_piece(spec: Spec, mesh: DeviceMesh) -> Callable[[int, torch.Tensor]
     return weight
 
 
+def _unstrided(t: torch.Tensor, spec: Spec, mesh: DeviceMesh) -> tuple[torch.Tensor, Spec, list]:
+    """``t`` with each strided dim regrouped so that ``Shard`` cuts it as the strided shard
+    would, the spec with those ``Shard``s, and the regrouping orders. (LocalTensorMode
+    cuts ``_StridedShard`` beside a ``Replicate`` axis wrongly: every rank gets rank 0's
+    piece; the runtime cuts stored tensors itself, `autopar.runtime.shards.local_chunk`.)"""
+    plain, orders = list(spec), []
+    for axis, p in enumerate(spec):
+        if isinstance(p, StridedShard):
+            k, m, size = p.split_factor, mesh.shape[axis], t.shape[p.dim]
+            n, c = size // k, size // k // m
+            order = [j * n + r * c + i for r in range(m) for j in range(k) for i in range(c)]
+            t = t.index_select(p.dim, torch.tensor(order))
+            plain[axis] = Shard(p.dim)
+            orders.append((p.dim, order))
+    return t, tuple(plain), orders
+
+
 def _to_dtensor(t: torch.Tensor, spec: Spec, mesh: DeviceMesh, mode: LocalTensorMode) -> DTensor:
     t = t.detach()
+    if any(isinstance(p, StridedShard) for p in spec):
+        regrouped, plain, _ = _unstrided(t, spec, mesh)
+        local = distribute_tensor(regrouped, mesh, plain).to_local()
+        return DTensor.from_local(
+            local, mesh, spec, run_check=False, shape=t.shape, stride=t.stride()
+        )
     # A _MaskPartial input (embedding indices) is made by DTensor itself from Replicate.
     start = [Replicate() if p.is_partial() else p for p in spec]
     base = distribute_tensor(t, mesh, start)
@@ -371,15 +397,19 @@ def _claimed_full(
         return o.full_tensor()
     assert tuple(o.placements) == claim, msg
     local = o.to_local()
-    return DTensor.from_local(
-        local, mesh, claim, shape=ref.shape, stride=ref.stride()
+    _, plain, orders = _unstrided(ref, claim, mesh)
+    full = DTensor.from_local(
+        local, mesh, plain, shape=ref.shape, stride=ref.stride()
     ).full_tensor()
+    for dim, order in reversed(orders):  # undo the regrouping
+        full = full.index_select(dim, torch.argsort(torch.tensor(order)))
+    return full
 
 
 OPS = {
     "gpt": [
         "embedding", "add", "native_layer_norm", "view", "permute", "addmm",
-        "split_with_sizes", "gelu", "mm", "_log_softmax", "nll_loss_forward", "arange",
+        "unbind", "gelu", "mm", "_log_softmax", "nll_loss_forward", "arange",
     ],
     "llama": [
         "pow", "mean", "rsqrt", "mul", "slice", "neg", "cat", "unsqueeze", "expand", "clone",
@@ -399,6 +429,34 @@ def test_dtensor_strategies_numerically(
     node = c.first(op)
     for s in c.table[node]:
         _check(c, node, s, mesh)
+
+
+def test_fused_projection_strided_strategies_numerically(gpt: Case, mesh: DeviceMesh) -> None:
+    """The fused K/V projection is offered the column split by heads (`SS(d:2)` from its
+    weight through the matmul to the unflattening view, `Shard` after it: each rank
+    computes its heads' k and v), and every strided strategy computes what it claims."""
+    strided = [
+        (node, s)
+        for node, strategies in gpt.table.items()
+        for s in strategies
+        if any(
+            isinstance(p, StridedShard)
+            for spec in (*s.inputs, *s.outputs)
+            if spec is not None
+            for p in spec
+        )
+    ]
+    ops = {str(node.target) for node, _ in strided}
+    assert {"aten.addmm.default", "aten.view.default", "aten.permute.default"} <= ops, ops
+    kvp = next(n for n in gpt.table if n.name == "p_block_kvp_weight")
+    assert any(StridedShard(0, split_factor=2) in s.outputs[0] for s in gpt.table[kvp])
+    assert not any(  # only the fused projection's tensors: the q projection is not fused
+        StridedShard(0, split_factor=2) in s.outputs[0]
+        for s in gpt.table[next(n for n in gpt.table if n.name == "p_block_q_weight")]
+    )
+    for node, s in strided:
+        if node.op == "call_function":
+            _check(gpt, node, s, mesh)
 
 
 @pytest.mark.parametrize("op", sorted(str(op) for op in RULES))

@@ -31,6 +31,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from autopar.capture.batch_norm import BATCH_NORM_DECOMPOSITIONS
+from autopar.capture.splits import unflatten_equal_splits
 
 aten = torch.ops.aten
 
@@ -106,6 +107,7 @@ def capture(model: nn.Module, args: Sequence, loss_fn: Callable | None = None) -
     _merge_tied(captured, root)
     _drop_runtime_checks(captured.gm)
     _drop_clones(captured.gm)
+    unflatten_equal_splits(captured.gm)
     _assign_weight_layers(captured.gm)
     if loss_fn is not None:
         _strip_prefix(captured, "model.")

@@ -102,12 +102,9 @@ VIEWS = {
     torch.ops.aten.view.default,
     torch.ops.aten._unsafe_view.default,
     torch.ops.aten.reshape.default,
-    torch.ops.aten.split.Tensor,
-    torch.ops.aten.split_with_sizes.default,
-    torch.ops.aten.permute.default,
-    torch.ops.aten.t.default,
-    torch.ops.aten.squeeze.dim,
-    torch.ops.aten.unsqueeze.default,
+    *(torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default),
+    *(torch.ops.aten.unbind.int, torch.ops.aten.permute.default, torch.ops.aten.t.default),
+    *(torch.ops.aten.squeeze.dim, torch.ops.aten.unsqueeze.default),
     torch.ops.aten.alias.default,
 }
 # what unpacks a fused collective's result into its members' tensors (a view, then a

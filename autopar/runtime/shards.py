@@ -4,7 +4,8 @@ A rank's shard of a tensor placed `(p_0, ..., p_{n-1})` is obtained by `torch.ch
 axis by axis in mesh order, the dim each `Shard(d)` names into `mesh.size(axis)` pieces and
 keeping the one at the rank's coordinate: exactly DTensor's layout for nested sharding,
 uneven ones included (a dim of 97 over 4 ranks: 25, 25, 25, 22 rows; 6 over 4: 2, 2, 2, 0,
-the missing trailing chunks being empty). `gather_full` is DTensor's `full_tensor`, which
+the missing trailing chunks being empty); a `_StridedShard(d, k)` takes the rank's chunk of
+each of the `k` equal pieces of dim `d`. `gather_full` is DTensor's `full_tensor`, which
 pads the uneven pieces for the all-gather and strips the padding.
 """
 
@@ -14,6 +15,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from autopar._compat import StridedShard
 from autopar.plan import Spec
 
 
@@ -34,6 +36,10 @@ def local_chunk(full: torch.Tensor, spec: Spec, mesh: DeviceMesh) -> torch.Tenso
     for axis, placement in enumerate(spec):
         if isinstance(placement, Shard):
             local = chunk_of(local, placement.dim, mesh.size(axis), coord[axis])
+        elif isinstance(placement, StridedShard):  # its piece of each of split_factor pieces
+            d, k = placement.dim, placement.split_factor
+            pieces = local.unflatten(d, (k, local.shape[d] // k))
+            local = chunk_of(pieces, d + 1, mesh.size(axis), coord[axis]).flatten(d, d + 1)
         elif placement.is_partial():
             raise ValueError("a stored tensor cannot be Partial")
     if local.is_meta:
@@ -57,7 +63,7 @@ def gather_full(
     local: torch.Tensor, spec: Spec, mesh: DeviceMesh, shape: tuple[int, ...]
 ) -> torch.Tensor:
     """The global tensor from every rank's shard (a collective: every rank must call it)."""
-    if all(not isinstance(p, Shard) for p in spec):
+    if all(not isinstance(p, (Shard, StridedShard)) for p in spec):
         return local.detach().clone()
     dt = DTensor.from_local(
         local.detach(),

@@ -78,6 +78,7 @@ VIEW_OPS = {
     aten.slice.Tensor,
     aten.split.Tensor,
     aten.split_with_sizes.default,
+    aten.unbind.int,
     aten.unsqueeze.default,
     aten.squeeze.dim,
     aten.squeeze.dims,
@@ -465,11 +466,14 @@ def _redistribute_cached(cluster: Cluster, src, dst, shape, itemsize) -> float:
     src = tuple(
         b if a.is_partial() and b.is_partial() else a for a, b in zip(src, dst, strict=True)
     )
+    seconds = comm.redistribute_time(src, dst, shape, itemsize, cluster)
+    if math.isinf(seconds):
+        return seconds  # a transition DTensor cannot perform (a re-split strided shard)
     launches = sum(
         cluster.links[axis].latency
         for axis, _ in comm.redistribute_steps(src, dst, cluster.mesh_shape)
     )
-    return comm.redistribute_time(src, dst, shape, itemsize, cluster) + launches
+    return seconds + launches
 
 
 @lru_cache(maxsize=200_000)

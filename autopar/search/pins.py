@@ -40,6 +40,7 @@ import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
+from autopar._compat import StridedShard
 from autopar.capture import Captured
 from autopar.options import CP_ROLES, ROLES, PlanOptions
 from autopar.passes.strategies import NodeStrategy
@@ -215,7 +216,8 @@ def _feature_split(s: NodeStrategy, axis: int) -> bool:
     """Split over features (Shard of a dim past the token dim 0, or Partial), not tokens."""
     out = s.outputs[0] if s.outputs else None
     return out is not None and (
-        out[axis].is_partial() or (isinstance(out[axis], Shard) and out[axis].dim > 0)
+        out[axis].is_partial()
+        or (isinstance(out[axis], (Shard, StridedShard)) and out[axis].dim > 0)
     )
 
 
@@ -259,7 +261,7 @@ def _allowed(spec: Sequence, role: str | None, roles: tuple[str, ...], n: fx.Nod
                 return False
             if axis_role == "fsdp" and p != Shard(0) and _divisible(val, 0, spec, n):
                 return False
-            if axis_role in ("tp", "sp") and ndim >= 2 and not isinstance(p, Shard):
+            if axis_role in ("tp", "sp") and ndim >= 2 and not isinstance(p, (Shard, StridedShard)):
                 return False
     return True
 

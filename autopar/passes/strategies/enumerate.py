@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from collections.abc import Iterable
 
 import torch
 import torch.fx as fx
@@ -35,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from autopar._compat import StridedShard
 from autopar.capture.operands import operands, tensor_operands
 from autopar.passes.strategies.from_dtensor import (
     Candidates,
@@ -51,11 +53,16 @@ from autopar.passes.strategies.spec import (
     output_vals,
     replicate_spec,
 )
+from autopar.passes.strategies.strided import Hints, keeps, strided_hints
 
 
-def storage_specs(shape: torch.Size, mesh_shape: tuple[int, ...]) -> list[Spec]:
-    """Every product over axes of {R} ∪ {S(d)} (uneven shards kept), all-Replicate first."""
+def storage_specs(
+    shape: torch.Size, mesh_shape: tuple[int, ...], strided: Iterable[tuple[int, int]] = ()
+) -> list[Spec]:
+    """Every product over axes of {R} ∪ {S(d)} (uneven shards kept) ∪ {SS(d:k)} for each
+    ``(d, k)`` of ``strided`` (:mod:`.strided`), all-Replicate first."""
     per_axis: list[Placement] = [Replicate(), *(Shard(d) for d in range(len(shape)))]
+    per_axis += [StridedShard(d, split_factor=k) for d, k in sorted(strided)]
     return [
         spec
         for spec in itertools.product(per_axis, repeat=len(mesh_shape))
@@ -138,16 +145,19 @@ def node_strategies(
     mesh: DeviceMesh,
     table: dict[fx.Node, list[NodeStrategy]],
     memo: dict[str, list[NodeStrategy]] | None = None,
+    hints: Hints | None = None,
 ) -> list[NodeStrategy] | None:
     """The strategies of one node given those of the nodes before it (None: no entry).
 
-    ``memo`` (signature -> strategies) lets repeated layers reuse one computation.
+    ``memo`` (signature -> strategies) lets repeated layers reuse one computation;
+    ``hints`` (:func:`.strided.strided_hints`) adds strided storage specs to placeholders.
     """
     if node.op in ("placeholder", "get_attr"):
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
             return None
-        return [NodeStrategy((), (s,)) for s in storage_specs(val.shape, tuple(mesh.shape))]
+        specs = storage_specs(val.shape, tuple(mesh.shape), (hints or {}).get(node, ()))
+        return [NodeStrategy((), (s,)) for s in specs]
     if node.op != "call_function":
         return None
     if node.target is operator.getitem and node.args[0] in table:
@@ -155,21 +165,24 @@ def node_strategies(
     if not any(v is not None for v in output_vals(node)):
         return None
     if memo is None:
-        return _op_strategies(node, mesh, table)
-    sig = _signature(node, table)
-    if sig not in memo:
-        memo[sig] = _op_strategies(node, mesh, table)
-    return memo[sig]
+        found = _op_strategies(node, mesh, table)
+    else:
+        sig = _signature(node, table)
+        if sig not in memo:
+            memo[sig] = _op_strategies(node, mesh, table)
+        found = memo[sig]
+    return [s for s in found if keeps(node, s, hints or {})]
 
 
 def enumerate_strategies(gm: fx.GraphModule, mesh: DeviceMesh) -> dict[fx.Node, list[NodeStrategy]]:
     """Candidate strategies per node of ``gm`` (ATen graph with ``meta["val"]``) on ``mesh``."""
     table: dict[fx.Node, list[NodeStrategy]] = {}
     memo: dict[str, list[NodeStrategy]] = {}
+    hints = strided_hints(gm)
     register_dtensor_rules()
     with dtensor_enumeration():
         for node in gm.graph.nodes:
-            found = node_strategies(node, mesh, table, memo)
+            found = node_strategies(node, mesh, table, memo, hints)
             if found is not None:
                 assert found, f"no strategy for {node.format_node()}"
                 table[node] = found

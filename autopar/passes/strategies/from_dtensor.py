@@ -17,8 +17,9 @@ Three sources, tried in this order by :func:`dtensor_strategies`:
    neither table: DTensor traces the op's decomposition once per single-axis input
    placement.
 
-Every result is filtered by :func:`~autopar.passes.strategies.spec.is_valid_spec` (no
-strided shards, no max/min partials, avg only on 0-d tensors, torch.chunk shards). Strategy
+Every result is filtered by :func:`~autopar.passes.strategies.spec.is_valid_spec` (strided
+shards only unnested, no max/min partials, avg only on 0-d tensors, torch.chunk shards); the
+strategy stage keeps strided shards only on fused projections (:mod:`.strided`). Strategy
 functions also price every (candidate, strategy) pair with DTensor's redistribute-cost
 model, quadratic in the candidates; :func:`dtensor_enumeration` turns that off while
 enumerating (the search prices resharding with autopar's own cost model).
@@ -57,6 +58,7 @@ from autopar._compat import (
     OpSpec,
     OpStrategy,
     ShardingPlaceholder,
+    StridedShard,
     TensorMeta,
     TupleStrategy,
     decomp_strategy,
@@ -241,8 +243,41 @@ def _fill_rule(rule: Sequence[Any]) -> list[Placement | None] | None:
     return out
 
 
-def single_dim_strategies(node: fx.Node, mesh: DeviceMesh, info: Any) -> list[NodeStrategy]:
-    """Strategies of an op registered with a single-mesh-dim rule function."""
+def _strided_rules(node: fx.Node, raw: Sequence[Sequence[Any]], cands: Candidates) -> list:
+    """Each rule with shards again with every shard ``_StridedShard(d, k)``, for each ``k``
+    an input is offered (:mod:`.strided`), where the rule's sharded dims are one index (all
+    of one size): the op works on each index of that dim alone, so any partition of the
+    indices that every operand shares gives the same result."""
+    factors = {
+        p.split_factor
+        for specs in cands.values()
+        for spec in specs
+        for p in spec
+        if isinstance(p, StridedShard)
+    }
+    if not factors:
+        return []
+    ins, outs = _node_shapes(node)
+    shapes = [*outs, *ins]
+    found = []
+    for rule in raw:
+        dims = [(i, p.dim) for i, p in enumerate(rule) if isinstance(p, ShardingPlaceholder)]
+        sizes = {shapes[i][d] for i, d in dims if shapes[i] is not None}
+        if not dims or len(sizes) != 1:
+            continue
+        for k in sorted(factors):
+            found.append(
+                [StridedShard(p.dim, split_factor=k) if isinstance(p, ShardingPlaceholder) else p
+                 for p in rule]
+            )  # fmt: skip
+    return [r for r in (_fill_rule(rule) for rule in found) if r is not None]
+
+
+def single_dim_strategies(
+    node: fx.Node, mesh: DeviceMesh, info: Any, cands: Candidates | None = None
+) -> list[NodeStrategy]:
+    """Strategies of an op registered with a single-mesh-dim rule function (and, where
+    an input is offered a strided shard, the rule's strided forms: :func:`_strided_rules`)."""
     args, kwargs = _map_args(node, lambda n: tensor_meta(n.meta["val"]))
     try:
         raw = info(node.target, args, kwargs)
@@ -252,6 +287,7 @@ def single_dim_strategies(node: fx.Node, mesh: DeviceMesh, info: Any) -> list[No
     n_in = len(tensor_inputs(node))
     n_out = len(output_vals(node))
     rules = [r for r in (_fill_rule(rule) for rule in raw) if r is not None]
+    rules += _strided_rules(node, raw, cands or {})
     if raw and len(raw[0]) != n_in + n_out:
         raise AssertionError(f"{node.target}: rule length {len(raw[0])} != {n_in}+{n_out}")
     outs = output_vals(node)
@@ -359,7 +395,7 @@ def dtensor_strategies(
     function, no decomposition)."""
     rule = single_dim_rule(node.target)
     if rule is not None:
-        return single_dim_strategies(node, mesh, rule)
+        return single_dim_strategies(node, mesh, rule, cands)
     func = op_strategy_func(node.target)
     if func is not None:
         return op_strategy_strategies(node, mesh, func, cands)

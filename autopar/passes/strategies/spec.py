@@ -3,8 +3,10 @@
 A *spec* is a tuple of DTensor placements, one per mesh axis. Only four kinds appear:
 ``Replicate()``, ``Shard(d)``, ``Partial("sum")`` and DTensor's ``_MaskPartial`` (the
 pending masked sum of a vocab-parallel embedding), plus ``Partial("avg")`` on 0-d tensors
-only (a mean loss over a batch-sharded input). A spec is *valid* for a global shape on
-a mesh when it mixes no two kinds of partial (DTensor cannot reduce them in one step) and
+only (a mean loss over a batch-sharded input), and ``_StridedShard(d, k)`` (``SS(d:k)``:
+dim ``d`` seen as ``k`` pieces, each split evenly over the axis: a column-split fused
+projection, :mod:`autopar.passes.strategies.strided`) on a dim no other axis splits.
+A spec is *valid* for a global shape on a mesh when it mixes no two kinds of partial (DTensor cannot reduce them in one step) and
 every ``Shard(d)`` can split dim ``d``. Shards follow DTensor's ``torch.chunk`` semantics:
 walking the axes in mesh order, a dim of local size ``L`` split over an axis of size ``n``
 gives pieces of ``ceil(L / n)`` elements, the last ones smaller or empty (97 over 4:
@@ -31,7 +33,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from autopar._compat import MaskPartial
+from autopar._compat import MaskPartial, StridedShard
 from autopar.capture.operands import operands
 
 Spec = tuple[Placement, ...]
@@ -43,6 +45,8 @@ def placement_str(p: Placement) -> str:
         return "MP"
     if type(p) is Shard:
         return f"S({p.dim})"
+    if isinstance(p, StridedShard):
+        return f"SS({p.dim}:{p.split_factor})"
     if isinstance(p, Replicate):
         return "R"
     if type(p) is Partial and p.reduce_op == "sum":
@@ -72,11 +76,11 @@ class NodeStrategy:
 
 
 def is_allowed(p: Placement, scalar: bool = True) -> bool:
-    """The placements a plan may use: no strided shards, no max/min partials, and
-    ``Partial("avg")`` only on a 0-d tensor (``scalar``): a mean-reduced loss of a
-    batch-sharded input (DTensor's nll_loss/mean strategies), which only gets all-reduced.
+    """The placements a plan may use: no max/min partials, and ``Partial("avg")`` only on a
+    0-d tensor (``scalar``): a mean-reduced loss of a batch-sharded input (DTensor's
+    nll_loss/mean strategies), which only gets all-reduced.
     """
-    if type(p) is Shard or isinstance(p, (Replicate, MaskPartial)):
+    if type(p) is Shard or isinstance(p, (Replicate, MaskPartial, StridedShard)):
         return True
     return type(p) is Partial and (p.reduce_op == "sum" or (scalar and p.reduce_op == "avg"))
 
@@ -102,6 +106,10 @@ def is_valid_spec(
             return False
         if isinstance(p, Partial):
             partial_kinds.add(type(p))
+        elif isinstance(p, StridedShard):
+            if not _strided_ok(spec, axis, local, mesh_shape):
+                return False
+            local[p.dim] //= mesh_shape[axis]
         elif isinstance(p, Shard):
             if p.dim >= len(local) or (even and local[p.dim] % mesh_shape[axis]):
                 return False
@@ -110,6 +118,16 @@ def is_valid_spec(
             if int(shape[p.dim]) < (1 if storage else pieces[p.dim]):
                 return False  # as DTensor's is_tensor_shardable: a row per shard
     return len(partial_kinds) <= 1
+
+
+def _strided_ok(spec: Spec, axis: int, local: Sequence[int], mesh_shape: Sequence[int]) -> bool:
+    """``spec[axis]`` strided: its dim exists, splits evenly into its pieces' shards, and no
+    other axis splits it (DTensor's nested strided layouts are not planned)."""
+    p = spec[axis]
+    if p.dim >= len(local) or local[p.dim] % (p.split_factor * mesh_shape[axis]):
+        return False
+    others = (q for a, q in enumerate(spec) if a != axis)
+    return not any(isinstance(q, (Shard, StridedShard)) and q.dim == p.dim for q in others)
 
 
 def _mask_partial_ok(spec: Spec, ndim: int) -> bool:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopar._compat import OpOverload
+from autopar._compat import OpOverload, untraced_strided_offsets
 from autopar.capture.regions import spec_of
 from autopar.passes.strategies.spec import NodeStrategy
 
@@ -52,7 +52,10 @@ def register_dtensor_rules() -> None:
     DTensor programs reach from ``scaled_dot_product_attention``, BatchNorm's statistics)
     into DTensor's propagator, and its handlers of random ops (:mod:`.random_ops`) and of
     the regions defined so far (:mod:`.regions`).
+    Also lets DTensor's strided-shard index arithmetic run untraced
+    (:func:`~autopar._compat.untraced_strided_offsets`).
     Idempotent; never run on import."""
+    untraced_strided_offsets()
     attention.register_dtensor()
     batch_norm.register_dtensor()
     random_ops.register_dtensor()
