@@ -67,3 +67,13 @@ def test_a_strided_shard_is_reached_only_from_an_unsplit_dim() -> None:
     assert math.isinf(redistribute_time((Replicate(), Shard(1)), strided, shape, 4, cluster))
     gather = redistribute_time((Replicate(), Shard(0)), (Replicate(),) * 2, shape, 4, cluster)
     assert redistribute_time(strided, (Replicate(),) * 2, shape, 4, cluster) == gather > 0
+
+
+def test_fsdp_beside_heads_shards_the_fused_weight_on_its_other_dim() -> None:
+    """DTensor does not nest a shard inside a strided one: FSDP takes dim 1 of the fused
+    weight and leaves its bias whole (the fsdp x tp parity case trains this plan)."""
+    model, batch = load_model("gpt", "tiny", 8)[:2]
+    cluster = Cluster.preset("cpu", mesh=(2, 2), axis_names=("dp", "tp"))
+    plan = autopar.plan(model, batch, cluster=cluster, strategy=("fsdp", "tp"))
+    specs = {t.name.rsplit("_", 1)[-1]: t.spec for t in plan.tensors if "c_attn" in t.name}
+    assert specs == {"weight": "S(1),SS(0:3)", "bias": "R,SS(0:3)"}, specs

@@ -6,7 +6,8 @@ name applies to every axis. A role pins only what defines it and leaves the rest
     dp    user inputs Shard(0) (batch) on the axis; parameters Replicate; every tensor
           computed from the batch stays batch-sharded on the axis (else gathering the batch
           once and computing redundantly, or switching to TP, would pass for "DP")
-    fsdp  as dp, but parameters Shard(0) (ZeRO-3: stored sharded, gathered for use)
+    fsdp  as dp, but parameters Shard(0) (ZeRO-3: stored sharded, gathered for use; a fused
+          projection split by heads on another axis: Shard(1), its bias Replicate)
     tp    user inputs Replicate; every parameter of 2+ dims sharded on the axis (which dim,
           column or row, is the ILP's choice); every matmul computed from the batch split
           over features on the axis (else token-splitting with gathered weights, i.e. FSDP,
@@ -260,10 +261,20 @@ def _allowed(spec: Sequence, role: str | None, roles: tuple[str, ...], n: fx.Nod
             if axis_role == "ep" and p != (Shard(0) if ndim == 3 else Replicate()):
                 return False
             if axis_role == "fsdp" and p != Shard(0) and _divisible(val, 0, spec, n):
-                return False
+                if not _fsdp_beside_heads(p, spec, ndim):
+                    return False
             if axis_role in ("tp", "sp") and ndim >= 2 and not isinstance(p, (Shard, StridedShard)):
                 return False
     return True
+
+
+def _fsdp_beside_heads(p, spec, ndim: int) -> bool:
+    """FSDP beside a fused projection split by heads (dim 0 strided on another axis): the
+    weight is sharded on dim 1 instead, the bias kept whole (DTensor does not nest a shard
+    inside a strided one)."""
+    if not any(isinstance(q, StridedShard) and q.dim == 0 for q in spec):
+        return False
+    return p == (Shard(1) if ndim >= 2 else Replicate())
 
 
 def _divisible(val, dim: int, spec, n) -> bool:
