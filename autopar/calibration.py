@@ -74,6 +74,7 @@ SIZES: dict[str, dict[str, Any]] = {
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 _SLOW_S = 0.02  # one matmul slower than this: larger sizes of its dtype are skipped
+_SUSTAIN_S, _MAX_CALLS = 0.05, 1000  # a timed compute rep: a loop of calls this long
 
 
 def calibrate(
@@ -215,21 +216,35 @@ def _sync(device: str) -> None:
 
 def _timed(fn: Callable[[], Any], device: str, reps: int, group=None) -> float:
     """Median seconds of ``fn`` after a warm-up: with a ``group`` (a collective) the slowest
-    of its ranks' (it ends when its last rank does), else the mean over all ranks."""
+    of its ranks' (it ends when its last rank does), else the mean over all ranks of the
+    time per call of a loop of calls lasting at least ``_SUSTAIN_S`` on every rank at once:
+    the rate a rank sustains while the others compute too, as in training (one call of a
+    few milliseconds may run while another rank waits for a core: where processes share
+    cores it measured up to twice the rate a training step gets)."""
+    t0 = time.perf_counter()
     fn()
     _sync(device)
+    calls = 1 if group is not None else _calls_lasting(time.perf_counter() - t0, device)
     times = []
     for _ in range(reps):
         dist.barrier(group=group)
         t0 = time.perf_counter()
-        fn()
+        for _ in range(calls):
+            fn()
         _sync(device)
-        times.append(time.perf_counter() - t0)
+        times.append((time.perf_counter() - t0) / calls)
     t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
     dist.all_reduce(
         t, op=dist.ReduceOp.MAX if group is not None else dist.ReduceOp.SUM, group=group
     )
     return float(t.item()) / (1 if group is not None else dist.get_world_size())
+
+
+def _calls_lasting(one_call_s: float, device: str) -> int:
+    """Calls of a ``one_call_s`` op that last ``_SUSTAIN_S``, the same on every rank."""
+    t = torch.tensor([math.ceil(_SUSTAIN_S / max(one_call_s, 1e-7))], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(min(max(t.item(), 1), _MAX_CALLS))
 
 
 def _agree(flag: bool, device: str) -> bool:
