@@ -53,7 +53,7 @@ from autopar.passes.strategies.spec import (
     output_vals,
     replicate_spec,
 )
-from autopar.passes.strategies.strided import Hints, keeps, strided_hints
+from autopar.passes.strategies.strided import Hints, kept, strided_hints
 
 
 def storage_specs(
@@ -171,7 +171,7 @@ def node_strategies(
         if sig not in memo:
             memo[sig] = _op_strategies(node, mesh, table)
         found = memo[sig]
-    return [s for s in found if keeps(node, s, hints or {})]
+    return kept(node, found, hints or {})
 
 
 def enumerate_strategies(gm: fx.GraphModule, mesh: DeviceMesh) -> dict[fx.Node, list[NodeStrategy]]:

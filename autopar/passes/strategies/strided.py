@@ -18,7 +18,7 @@ strided storage specs the strategy stage adds to those placeholders
 strided strategies from DTensor's own rules, a rule's shards instantiated as strided ones
 where an input is offered one (:func:`autopar.passes.strategies.from_dtensor.
 single_dim_strategies`), and from its strategy functions (views follow their input).
-:func:`keeps` drops every other strategy with a strided spec (DTensor's view strategy
+:func:`kept` drops every other strategy with a strided spec (DTensor's view strategy
 also makes some of its own, e.g. where a batch shard is unflattened): only these tensors
 get the extra choices, so the search grows by a few strategies per fused projection.
 """
@@ -132,19 +132,24 @@ def strided_hints(gm: fx.GraphModule) -> Hints:
     return hints
 
 
-def _strided_ok(spec, allowed: set[tuple[int, int]]) -> bool:
-    return spec is None or all(
-        (p.dim, p.split_factor) in allowed for p in spec if isinstance(p, StridedShard)
-    )
+def _strided(spec) -> bool:
+    return spec is not None and any(type(p) is StridedShard for p in spec)
 
 
-def keeps(node: fx.Node, strategy: NodeStrategy, hints: Hints) -> bool:
-    """Whether ``strategy`` places strided shards only where ``hints`` allow them: on
-    ``node``'s outputs if ``node`` is hinted, on each input if its producer is."""
+def _allowed(spec, allowed: set[tuple[int, int]]) -> bool:
+    return all((p.dim, p.split_factor) in allowed for p in spec if type(p) is StridedShard)
+
+
+def kept(node: fx.Node, strategies: list[NodeStrategy], hints: Hints) -> list[NodeStrategy]:
+    """``strategies`` less those placing a strided shard where ``hints`` do not allow one:
+    on ``node``'s outputs unless ``node`` is hinted, on an input unless its producer is."""
+    if not any(_strided(sp) for s in strategies for sp in (*s.inputs, *s.outputs)):
+        return strategies
     none: set[tuple[int, int]] = set()
-    if not all(_strided_ok(s, hints.get(node, none)) for s in strategy.outputs):
-        return False
-    return all(
-        _strided_ok(s, hints.get(producer, none))
-        for s, producer in zip(strategy.inputs, tensor_inputs(node), strict=True)
-    )
+    outs, ins = hints.get(node, none), [hints.get(p, none) for p in tensor_inputs(node)]
+    return [
+        s
+        for s in strategies
+        if all(not _strided(sp) or _allowed(sp, outs) for sp in s.outputs)
+        and all(not _strided(sp) or _allowed(sp, a) for sp, a in zip(s.inputs, ins, strict=True))
+    ]
