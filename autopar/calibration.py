@@ -11,7 +11,9 @@ read back. Nothing here names a device: tensors live on the process group's devi
 (``autopar.devices.process_group_device``).
 
 What is measured (every rank at once, as training runs; each figure is the mean over ranks
-of the median of a few repetitions after a warm-up):
+of the median of a few repetitions after a warm-up; a compute repetition is a loop of calls
+lasting ``_SUSTAIN_S``, timed per call, so that the rate is the one a rank sustains while
+the others compute too, where processes share cores):
 
 * matmul ``[n,n] @ [n,n]`` per dtype over sizes (a dtype stops growing once one matmul
   takes over ``_SLOW_S``): ``peak_flops[dtype]`` = the best achieved
