@@ -84,6 +84,8 @@ def test_pipeline_matches_single_device(world, mesh, names, strategy, schedules)
         print(line)
         if res.loss_rel_err > TOL or res.grad_err > TOL or res.param_err > LR * STEPS:
             failures.append("tolerance exceeded: " + line)
+        if res.late_syncs:  # each stage's reduction goes out at its last backward
+            failures.append(f"{res.label}: {res.late_syncs} gradient syncs after the schedule")
     assert not failures, "\n".join(failures)
 
 
@@ -347,7 +349,8 @@ def test_step_text_says_what_a_pipelined_step_is_made_of() -> None:
     text = step_text(plan)
     assert "1f1b schedule over 4 microbatches" in text
     assert f"[{stages[0] * 1e3:.3f}, {stages[1] * 1e3:.3f}] ms, collectives overlapped" in text
-    assert f"gradient sync after the schedule {plan.solver['gradient_sync'] * 1e3:.3f} ms" in text
+    sync = plan.solver["gradient_sync"]
+    assert f"gradient sync beyond the timeline {sync * 1e3:.3f} ms" in text
 
 
 def _synthetic(grads=(), layer_forward: float | None = None, pre: float = 0.0):
@@ -379,7 +382,7 @@ def test_fsdp_gradients_are_reduced_in_every_microbatch() -> None:
     """A sharded parameter's gradient reduce-scatter runs in each microbatch's backward
     program (`runtime.pipeline._DeferGradSync` leaves only the replicated ones' partial):
     priced in the stage's microbatch, bucketed behind its backward; a replicated one's
-    all-reduce runs once per step after the schedule (`sync_gradients`), outside it."""
+    all-reduce runs once per step from the stage's last backward (`GradientSync`)."""
     from autopar.cost_models.buckets import fused_time
     from autopar.search.inter_op import price_schedule, reduced_per_step, stage_cluster, stage_time
 
@@ -399,9 +402,40 @@ def test_fsdp_gradients_are_reduced_in_every_microbatch() -> None:
         waited = stage_time(part, sub, None)  # no pass: one per tensor, waited at once
         assert waited == pytest.approx(part.time + (0 if per_step else fused_time(grads, sub)))
         one, four = (price_schedule(costs, "gpipe", 2, m, cluster) for m in (1, 4))
-        # a rank's two layers: one flat buffer, after the schedule
-        assert one.sync == (fused_time(grads * 2, sub) if per_step else 0.0)
-        assert four.sync == one.sync  # once per step, whatever the microbatches
+        # a stage's two layers: one flat buffer; the first rank's last backward ends the
+        # timeline, so its reduction is all exposed
+        assert one.sync == pytest.approx(fused_time(grads * 2, sub) if per_step else 0.0)
+        assert four.sync == pytest.approx(one.sync)  # once per step, whatever the microbatches
+
+
+def test_a_stage_reduces_its_gradients_from_its_last_backward() -> None:
+    """Each stage's gradient all-reduce goes out when its last backward is done, on its
+    rank's one communication channel (`runtime.pipeline.GradientSync`): a rank of two
+    stages hides the first-finished one's under the other's remaining backward; the
+    reductions never add more than their sum after the rank's last action."""
+    from autopar.cost_models.buckets import fused_time
+    from autopar.search.inter_op import price_schedule, stage_cluster
+    from autopar.search.schedules import synced_end
+
+    assert synced_end(10.0, [4.0, 9.0], [2.0, 3.0]) == 12.0  # 4..6 hidden, 9..12
+    assert synced_end(10.0, [4.0, 9.0], [6.0, 3.0]) == 13.0  # 4..10, then 10..13
+    assert synced_end(10.0, [9.0, 4.0], [0.0, 1.0]) == 10.0  # all hidden
+    reduce = [(("ar",), "all_reduce", 0, 2**22)]
+    costs, cluster, _ = _synthetic(reduce, layer_forward=1e-3)
+    one_stage = fused_time(reduce, stage_cluster(cluster))  # a stage of one layer
+    for schedule in ("interleaved1f1b", "zbv"):
+        p = price_schedule(costs, schedule, 2, 4, cluster)
+        tl = p.timeline
+        assert p.step_time == pytest.approx(tl.step_time + p.sync)
+        for rank, end in enumerate(tl.ends):
+            stages = [s for s, r in enumerate(stage_ranks(schedule, 2)) if r == rank]
+            done = [tl.grads_done[s] for s in stages]
+            assert max(done) <= end <= p.step_time - (one_stage if max(done) == end else 0)
+            assert p.step_time <= tl.step_time + len(stages) * one_stage + 1e-12
+    # interleaved: the first rank's stage 2 is done well before its stage 0, which ends
+    # the timeline: only stage 0's reduction is exposed
+    p = price_schedule(costs, "interleaved1f1b", 2, 4, cluster)
+    assert p.sync == pytest.approx(one_stage)
 
 
 def test_stage_cuts_balance_the_overlapped_stage_times() -> None:

@@ -70,8 +70,8 @@ all its members when the first is needed (flat result alive while they are copie
 A pipeline stage (`search.inter_op.stage_time`): each microbatch's programs priced as
 `search.step` prices a step, an fsdp stage's gradient reduce-scatters (which run in every
 microbatch's backward) included, bucketed behind the backward; replicated parameters'
-all-reduces are priced once per step after the schedule (as
-`runtime.pipeline.sync_gradients` runs them). Stage cuts balance these same stage times.
+all-reduces are priced once per step from the stage's last backward (as
+`runtime.pipeline.GradientSync` runs them). Stage cuts balance these same stage times.
 Not priced: a forward gather's flat result issued one layer ahead (alive during the
 previous layer's forward).
 """

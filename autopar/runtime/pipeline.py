@@ -13,8 +13,9 @@ the same rows whatever the data-parallel degree.
 Gradients are synchronized once per step: a stage program's backward leaves each
 parameter's gradient unreduced on the axes where the parameter is replicated and its
 gradient partial (`_DeferGradSync`), the microbatches' local gradients accumulate, and
-after the last backward `sync_gradients` reduces them, one flat buffer per (axes, reduce
-op, dtype) (what the planner prices: one gradient reduction per step). Under ZeRO
+after a stage's last backward `GradientSync` all-reduces them without waiting, one flat
+buffer per (axes, dtype), while the schedule goes on (what the planner prices: one
+gradient reduction per step, on the rank's communication channel from that moment). Under ZeRO
 (`shard_optimizer`) `scatter_gradients` reduce-scatters them instead, bucketed, into the
 flat shards `runtime.optimizer.ParamState` steps (the working parameters are then in the
 compute dtype, and so are the gradients the microbatches accumulate).
@@ -32,6 +33,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autopar._compat import aot_function, cached_sharding_propagation, default_partition
@@ -94,7 +96,7 @@ class StageModule(nn.Module):
         # program reads the working parameters as a plain (or casting) boundary
         boundary = replace(ParamBoundary.of(plan), shard_optimizer=False, shard_gradients=False)
         n_params = len(stage.params)
-        self.reduce_dtype = boundary.reduce_dtype  # what `sync_gradients` reduces in
+        self.reduce_dtype = boundary.reduce_dtype  # what `GradientSync` reduces in
 
         def program(*locals_):
             env = [
@@ -146,7 +148,7 @@ class _DeferGradSync(torch.autograd.Function):
     """Identity on a parameter as the program reads it; backward leaves the gradient
     unreduced (the local partial sum) on the axes where the parameter is replicated and the
     gradient a sum-Partial, and records its placements in `pending[index]` for
-    `sync_gradients`. The gradient goes on labelled with the parameter's own placements so
+    `GradientSync`. The gradient goes on labelled with the parameter's own placements so
     that the boundary below converts nothing; any other mismatch is redistributed here."""
 
     @staticmethod
@@ -180,30 +182,84 @@ def _is_sum_partial(p) -> bool:
     return type(p) is Partial and p.reduce_op == "sum"
 
 
-def sync_gradients(modules: list[StageModule], mesh: DeviceMesh) -> None:
-    """Reduce the gradients the stage programs left partial, once: per (placements,
-    dtype), the gradients flattened into one buffer, all-reduced in place over each
-    partial axis (in the policy's reduce dtype, as the planner prices it) and copied back.
-    At most one bucket is alive beside the gradients (`search.peak` prices it so)."""
+class GradientSync:
+    """The gradients the stage programs left partial, reduced once per step, each stage's
+    as soon as its last backward is done: the schedule's REDUCE_GRAD action (torch puts it
+    right after a stage's last B or W) calls `launch(module)` (`SyncingStage`), which
+    flattens the stage's gradients into one buffer per (placements, dtype), in the
+    policy's reduce dtype, and issues its all-reduce over the first partial axis
+    without waiting; the schedule goes on with the rank's other stages meanwhile. `wait()`
+    (after the schedule, before the optimizer) waits them in launch order, reduces a
+    buffer over its further partial axes (a parameter replicated on two axes: rare and
+    small, the norms under sequence parallelism), copies the sums back and frees the
+    buffers. `search.inter_op.price_schedule` prices each stage's reduction on the
+    rank's communication channel from that stage's last backward, `search.peak` holds
+    every stage's buffers at once. Only the last schedule step of a batch launches
+    (`armed`: uneven microbatches run two); a stage whose action never came is launched
+    by `wait`, in stage order."""
+
+    def __init__(self, modules: list[StageModule], mesh: DeviceMesh):
+        self.modules, self.mesh = modules, mesh
+        self.armed = False
+        self.late = 0  # stages `wait` launched: their REDUCE_GRAD never came (tests read it)
+        self._launched: set[int] = set()
+        self._pending: list[tuple] = []  # (work, flat, remaining axes, gradients)
+
+    def launch(self, module: StageModule) -> None:
+        # a stage's index: the smaller microbatches' twin module shares its gradients
+        if not self.armed or module.stage.index in self._launched:
+            return
+        self._launched.add(module.stage.index)
+        for (axes, dtype), grads in _partial_buckets(module).items():
+            flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
+            work = dist.all_reduce(flat, group=self.mesh.get_group(axes[0]), async_op=True)
+            self._pending.append((work, flat, axes[1:], grads))
+
+    def wait(self) -> None:
+        for module in self.modules:
+            if self.armed and module.stage.index not in self._launched:
+                self.late += 1
+                self.launch(module)
+        for work, flat, rest, grads in self._pending:
+            work.wait()
+            for axis in rest:
+                dist.all_reduce(flat, group=self.mesh.get_group(axis))
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        self._pending.clear()
+        self._launched.clear()
+        self.armed = False
+
+
+def _partial_buckets(module: StageModule) -> dict[tuple, list[torch.Tensor]]:
+    """(partial axes, reduce dtype) -> the stage's gradients its program left partial
+    there, in parameter order."""
     buckets: dict[tuple, list[torch.Tensor]] = {}
-    for module in modules:
-        for i, p in enumerate(module.shards):
-            keep = module.grad_placements.get(i)
-            if p.grad is None or keep is None or not any(q.is_partial() for q in keep):
-                continue
-            assert all(_is_sum_partial(q) for q in keep if q.is_partial()), keep
-            axes = tuple(a for a, q in enumerate(keep) if q.is_partial())
-            dtype = module.reduce_dtype or p.grad.dtype
-            buckets.setdefault((axes, dtype), []).append(p.grad)
-    for (axes, dtype), grads in buckets.items():
-        flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
-        for axis in axes:
-            dist.all_reduce(flat, group=mesh.get_group(axis))
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-        del flat
+    for i, p in enumerate(module.shards):
+        keep = module.grad_placements.get(i)
+        if p.grad is None or keep is None or not any(q.is_partial() for q in keep):
+            continue
+        assert all(_is_sum_partial(q) for q in keep if q.is_partial()), keep
+        axes = tuple(a for a, q in enumerate(keep) if q.is_partial())
+        dtype = module.reduce_dtype or p.grad.dtype
+        buckets.setdefault((axes, dtype), []).append(p.grad)
+    return buckets
+
+
+class SyncingStage(PipelineStage):
+    """torch's `PipelineStage` whose REDUCE_GRAD action (after its last backward) hands
+    the stage's gradients to `GradientSync.launch`."""
+
+    def __init__(self, *args, sync: GradientSync | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sync = sync
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        super().perform_reduce_grad(grad_scale_factor)
+        if self.sync is not None:
+            self.sync.launch(self.submod)
 
 
 def scatter_gradients(

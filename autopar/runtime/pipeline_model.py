@@ -30,11 +30,12 @@ from autopar.runtime.memory_stats import optimizer_state_tensors
 from autopar.runtime.optimizer import LossScaler, ParamState
 from autopar.runtime.parallel_model import OptimizerFactory, TrainingSteps
 from autopar.runtime.pipeline import (
+    GradientSync,
     StageModule,
+    SyncingStage,
     _example,
     boundary_spec,
     scatter_gradients,
-    sync_gradients,
 )
 from autopar.runtime.shards import gather_full, local_chunk, mesh_device
 from autopar.search.schedules import TORCH_CLASSES
@@ -71,6 +72,9 @@ class PipelineModel(TrainingSteps):
         # ZeRO: flat fp32 master shards stepped by `ParamState`; the stage modules hold
         # the working parameters (compute dtype), filled by its all-gather
         self.zero = _zero_state(self.modules, plan, self.mesh, optimizer)
+        # replicated parameters' gradients: each stage's all-reduced from its last backward
+        # on (ZeRO reduce-scatters them all after the schedule, `scatter_gradients`)
+        self.sync = GradientSync(list(self.modules.values()), self.mesh)
         self.stages = [
             self._pipeline_stage(graphs[s], m, len(graphs)) for s, m in self.modules.items()
         ]
@@ -89,7 +93,7 @@ class PipelineModel(TrainingSteps):
         self._first = 0 in self.modules
 
     def _pipeline_stage(self, graph, module: StageModule, num: int) -> PipelineStage:
-        return PipelineStage(
+        return SyncingStage(
             module,
             graph.index,
             num,
@@ -105,6 +109,7 @@ class PipelineModel(TrainingSteps):
             dw_builder=module.weight_grads.builder
             if module.weight_grads is not None
             else _nothing_left,
+            sync=self.sync if self.zero is None else None,
         )
 
     # ---- training --------------------------------------------------------------------
@@ -123,6 +128,7 @@ class PipelineModel(TrainingSteps):
         losses: list[torch.Tensor] = []
         first = 0  # the run's first microbatch (and row)
         for run in self.runs:
+            self.sync.armed = run is self.runs[-1]  # the batch's last backward is in it
             end = first + run.count
             args = [
                 self._microbatched_local(name, t[sum(rows[:first]) : sum(rows[:end])], run.count)
@@ -136,7 +142,7 @@ class PipelineModel(TrainingSteps):
             losses += mine
             first = end
         if self.zero is None:
-            sync_gradients(list(self.modules.values()), self.mesh)  # after the last backward
+            self.sync.wait()  # launched at each stage's last backward
             self._sync_tied_grads()
         else:
             self._sync_tied_grads()  # unreduced: the sum over pp commutes with the scatter

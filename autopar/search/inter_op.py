@@ -18,18 +18,18 @@ behind every microbatch's backward, waits at first use, `search.step.overlapped_
 forward t/3 and backward 2t/3 (of which the zero-bubble schedules' W action runs the
 weight-gradient matmuls, `schedules.weight_gradient_work`), the activation sends between
 ranks, and gives each rank's peak in-flight microbatches, which multiplies its stages'
-activation memory. A rank all-reduces its replicated parameters' gradients once per step,
-after the last backward (`reduced_per_step`, `runtime.pipeline.sync_gradients`), as one
-flat buffer per (collective, mesh axis, dtype) (`cost_models.buckets.fused_time`: the
-bytes summed, one latency per buffer), waited in full after the timeline. A schedule whose
-ranks do not fit in device memory is dropped; the fastest remaining one wins; none is priced
-when the stages' work alone reaches the layout search's best step (`Dominated`, from
-`PipelineOptions.bar`: cutting and simulating cost ~1 s per layout). When none fits, the ILP is
-solved again (twice at most) under a budget shrunk by limit / least peak, so that it turns
-to its memory levers (recompute, reshard after forward) or shards more. A rank's memory
-counts the weights its layers keep gathered until backward (`IntraOpResult.held_weights`);
-the one-layer working sets of recompute and regathering are in the ILP's memory, not in a
-rank's peak.
+activation memory. Each stage all-reduces its replicated parameters' gradients once per
+step from its last backward (`reduced_per_step`, `runtime.pipeline.GradientSync`), one
+flat buffer per (collective, mesh axis, dtype) (`cost_models.buckets.fused_time`), on
+its rank's communication channel while its other stages compute (`schedules.synced_end`).
+A schedule whose ranks do not fit in device memory is dropped; the fastest remaining one
+wins; none is priced when the stages' work alone reaches the layout search's best step
+(`Dominated`, `PipelineOptions.bar`: cutting and simulating cost ~1 s per layout). When
+none fits, the ILP is solved again (twice at most) under a budget shrunk by limit / least
+peak, so that it turns to its memory levers (recompute, reshard after forward) or shards
+more. A rank's memory counts the weights its layers keep gathered until backward
+(`IntraOpResult.held_weights`); the one-layer working sets of recompute and regathering
+are in the ILP's memory, not in a rank's peak.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ from autopar.search.schedules import (
     Timeline,
     microbatch_groups,
     simulate,
+    synced_end,
     weight_gradient_work,
 )
 from autopar.search.step import Part, overlapped_time, program_parts
@@ -296,9 +297,9 @@ class PricedSchedule:
     cuts: tuple[int, ...]
     timeline: Timeline
     peak_memory: float  # bytes on the fullest rank
-    step_time: float  # timeline + the slowest rank's gradient sync, seconds
+    step_time: float  # the timeline's ranks, each done when its gradient sync is, seconds
     stage_times: tuple[float, ...] = ()  # one microbatch's forward + backward per stage
-    sync: float = 0.0  # the slowest rank's gradient reduction after the schedule, seconds
+    sync: float = 0.0  # what the gradient sync adds to the timeline (step - timeline), s
 
     def info(self) -> dict:
         """What the plan's search info records of the schedule (`views.tables.step_text`
@@ -348,23 +349,22 @@ def price_schedule(
         stash=[min(p.stash / p.act, 1.0) if p.act else 1.0 for p in stages],
     )
     ranks = stage_ranks(schedule, pp)
-    peak, sync = [], []
+    peak, finish = [], []
     for r in range(pp):
-        mine = [stages[s] for s in range(num) if ranks[s] == r]
-        per_mb_act = max(p.act for p in mine)
-        peak.append(sum(p.state for p in mine) + per_mb_act * tl.in_flight[r])
-        sync.append(fused_time([g for p in mine for g in p.grads if reduced_per_step(g)], sub))
-    return PricedSchedule(
-        schedule, cuts, tl, max(peak), tl.step_time + max(sync), tuple(times), max(sync)
-    )
+        own = [s for s in range(num) if ranks[s] == r]
+        mine = [stages[s] for s in own]
+        peak.append(sum(p.state for p in mine) + max(p.act for p in mine) * tl.in_flight[r])
+        syncs = [fused_time([g for g in p.grads if reduced_per_step(g)], sub) for p in mine]
+        finish.append(synced_end(tl.ends[r], [tl.grads_done[s] for s in own], syncs))
+    step = max(finish)
+    return PricedSchedule(schedule, cuts, tl, max(peak), step, tuple(times), step - tl.step_time)
 
 
 def reduced_per_step(grad: Grad) -> bool:
-    """Whether a stage reduces `grad` once per step, after the schedule: the all-reduce of
-    a replicated parameter's gradient, which the stage program leaves partial
-    (`runtime.pipeline._DeferGradSync`) for `sync_gradients`. Every other gradient
-    collective (a sharded parameter's reduce-scatter) runs in each microbatch's backward
-    program (the parameter's own placement is not Replicate, so it is not deferred)."""
+    """Whether a stage reduces `grad` once per step, from its last backward: a replicated
+    parameter's all-reduce, left partial (`runtime.pipeline._DeferGradSync`) for
+    `GradientSync`. Every other gradient collective (a sharded parameter's reduce-scatter)
+    runs in each microbatch's backward program (its parameter is not deferred)."""
     return Collective(grad[1]) is Collective.ALL_REDUCE
 
 
@@ -372,7 +372,7 @@ def stage_time(stage: PartCost, cluster: Cluster, comm: CommPlan | None) -> floa
     """Seconds of one microbatch's forward and backward programs of `stage` on the stage
     mesh `cluster`, with the gradient collectives those programs run (a sharded
     parameter's reduce-scatter, every microbatch; not the all-reduces `reduced_per_step`
-    leaves to after the schedule): with the communication pass, its gathers fused per
+    leaves to a stage's last backward): with the communication pass, its gathers fused per
     layer and prefetched, its gradients bucketed behind the backward, its waits at first
     use (`search.step.overlapped_time`); without it, every collective waited at once, one
     per tensor (the ILP's)."""

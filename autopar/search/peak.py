@@ -109,7 +109,10 @@ def predict_peak_per_rank(
         mine = [s for s in range(n) if owners[s] == rank]
         grads = [stage_gradients(captured, plan, stages[s]) for s in mine]
         rank_sims = [sims[s] for s in mine]
-        out.append(_combine(rank_sims, grads, timeline.in_flight[rank], pipe.microbatches, batch))
+        together = not plan.memory.shard_optimizer  # GradientSync; ZeRO: scatter_gradients
+        out.append(
+            _combine(rank_sims, grads, timeline.in_flight[rank], pipe.microbatches, batch, together)
+        )
     return out
 
 
@@ -140,13 +143,15 @@ def stage_stash(captured: Captured, plan: Plan, nodes: list[fx.Node]) -> float:
     return total
 
 
-def stage_gradients(captured: Captured, plan: Plan, nodes: list[fx.Node]) -> tuple[float, ...]:
-    """(accumulated, shards, bucket): what a stage's gradient reduction after the last
+def stage_gradients(
+    captured: Captured, plan: Plan, nodes: list[fx.Node]
+) -> tuple[float, float, dict[tuple, float]]:
+    """(accumulated, shards, buckets): what a stage's gradient reduction after its last
     microbatch holds, as `runtime.pipeline` runs it. Per parameter of N local elements,
     R replicas, compute itemsize c, master itemsize m (4 under the policy), reduce
     itemsize d: the microbatches accumulate N*m (ZeRO: N*c, the working dtype);
-    `sync_gradients` flattens the replicated ones into one buffer per set of axes and
-    all-reduces it in place (bucket: the largest, sum N*d); ZeRO's `scatter_gradients`
+    `GradientSync` flattens the replicated ones into one buffer per set of axes and
+    all-reduces it in place (bucket per axes: sum N*d); ZeRO's `scatter_gradients`
     copies all into an R x ceil(N/R) buffer per set of axes (bucket: sum R*ceil(N/R)*d)
     and keeps the flat shards (sum ceil(N/R)*m)."""
     mem, mesh = plan.memory, plan.stage_mesh_shape
@@ -172,21 +177,25 @@ def stage_gradients(captured: Captured, plan: Plan, nodes: list[fx.Node]) -> tup
             accumulated += numel * m
             if axes:
                 buckets[axes] = buckets.get(axes, 0.0) + numel * d
-    return accumulated, shards, max(buckets.values(), default=0.0)
+    return accumulated, shards, buckets
 
 
 def _combine(
     sims: list[PeakMemory],
-    grads: list[tuple[float, ...]],
+    grads: list[tuple[float, float, dict[tuple, float]]],
     in_flight: float,
     microbatches: int,
     batch: float,
+    together: bool = True,
 ) -> PeakMemory:
     """A pipeline rank's peak from its stages' one-microbatch simulations: the largest of
     the first backward (k - 1 other microbatches in flight, no gradient accumulated yet),
     the last (nothing else in flight, every earlier microbatch's gradients held) and the
     gradient reduction after it (`stage_gradients`: the state, the accumulated gradients,
-    the flat shards made so far and one bucket). `in_flight` counts the rank's
+    the flat shards made so far and the reduction buffers). `together`: every stage's
+    buffers are alive until the wait after the schedule (`GradientSync`; during the last
+    backward, those of the stages reduced before it), else one key's buffer over the
+    stages at a time (ZeRO's `scatter_gradients`). `in_flight` counts the rank's
     stage-microbatches together (`schedules.simulate`): with v stages per rank, each
     stage's simulation holds one, and the rest are held at the largest stage's `kept`."""
     first = dict.fromkeys(CATEGORIES, 0.0)
@@ -194,7 +203,7 @@ def _combine(
     first["activations"] += others
     last = dict.fromkeys(CATEGORIES, 0.0)
     sync = dict.fromkeys(CATEGORIES, 0.0)
-    for p, (accumulated, shards, bucket) in zip(sims, grads, strict=True):
+    for p, (accumulated, shards, _) in zip(sims, grads, strict=True):
         for c, b in p.breakdown.items():
             first[c] += b
             last[c] += b
@@ -203,7 +212,15 @@ def _combine(
         for c in ("parameters", "optimizer_state", "buffers"):
             sync[c] += p.breakdown[c]
         sync["gradients"] += accumulated + shards
-        sync["communication"] = max(sync["communication"], bucket)
+    per_stage = [sum(b.values()) for _, _, b in grads]
+    if together:
+        sync["communication"] = sum(per_stage)
+        last["communication"] += sum(per_stage) - min(per_stage, default=0.0)
+    else:
+        keys = {k for _, _, b in grads for k in b}
+        sync["communication"] = max(
+            (sum(b.get(k, 0.0) for _, _, b in grads) for k in keys), default=0.0
+        )
     # the batch: simulated as one microbatch's shard (and global) on the stages reading it
     for total in (first, last):
         total["activations"] += batch - sum(p.batch for p in sims)

@@ -17,8 +17,10 @@ backward `b`: I = b - wgrad, W = wgrad). The first stage's inputs (the batch) ta
 gradient, so its I is empty and its W runs its whole backward. A full backward B (the other
 schedules, and DualPipeV's overlapped forward+backward, whose two halves torch runs back to
 back) runs both at once.
-The result: step time, bubble fraction, and the peak activations a rank holds at once, in
-microbatches (the in-flight memory multiplier): a microbatch's forward adds 1, its backward
+The result: step time, bubble fraction, each rank's end and each stage's last B or W (its
+gradients complete: `synced_end` puts its reduction on the rank's channel from there),
+and the peak activations a rank holds at once, in microbatches (the in-flight memory
+multiplier): a microbatch's forward adds 1, its backward
 B subtracts 1; between its I and W a fraction `stash` of it stays (what the W half reads:
 the weight matmuls' inputs and output gradients; the first stage keeps all of it).
 
@@ -49,6 +51,10 @@ class Timeline:
     bubble: float  # idle fraction of the busiest rank
     in_flight: tuple[float, ...]  # per rank: peak microbatches of saved activations
     rows: tuple[str, ...]  # text timeline per rank
+    ends: tuple[float, ...] = ()  # per rank: when its last action ends, seconds
+    # per stage: when its last B or W ends (its gradients complete: the runtime's
+    # REDUCE_GRAD action, `runtime.pipeline.GradientSync`)
+    grads_done: tuple[float, ...] = ()
 
 
 def _orders(schedule: str, pp: int, m: int) -> list[list[tuple[str, int, int]]]:
@@ -224,6 +230,7 @@ def replay(
     done: dict[tuple[str, int, int], float] = {}
     clock, busy = [0.0] * pp, [0.0] * pp
     held, peak = [0.0] * pp, [0.0] * pp
+    grads_done = [0.0] * num
     rows: list[list[str]] = [[] for _ in range(pp)]
     at = [0] * pp
     while any(at[r] < len(orders[r]) for r in range(pp)):
@@ -241,6 +248,8 @@ def replay(
                 clock[rank] = start + cost[kind][s]
                 done[("G" if kind in "IB" else kind, s, i)] = clock[rank]
                 busy[rank] += cost[kind][s]
+                if kind in "BW":
+                    grads_done[s] = clock[rank]
                 held[rank] += {"F": 1.0, "B": -1.0, "I": keep[s] - 1.0, "W": -keep[s]}[kind]
                 peak[rank] = max(peak[rank], held[rank])
                 rows[rank].append(f"{kind}{s}.{i}")
@@ -250,7 +259,8 @@ def replay(
             raise RuntimeError(f"schedule {schedule} deadlocks on {pp} ranks")
     total = max(clock)
     bubble = 1.0 - max(busy) / total if total else 0.0
-    return Timeline(total, bubble, tuple(peak), tuple(" ".join(r) for r in rows))
+    rows_text = tuple(" ".join(r) for r in rows)
+    return Timeline(total, bubble, tuple(peak), rows_text, tuple(clock), tuple(grads_done))
 
 
 def _deps(kind: str, s: int, i: int, num: int) -> list[tuple[str, int, int]]:
@@ -259,3 +269,15 @@ def _deps(kind: str, s: int, i: int, num: int) -> list[tuple[str, int, int]]:
     if kind == "W":
         return [("G", s, i)]
     return [("F", s, i)] + ([("G", s + 1, i)] if s < num - 1 else [])
+
+
+def synced_end(end: float, done: list[float], syncs: list[float]) -> float:
+    """When a pipeline rank is done: its last action ends at `end`, and each of its stages'
+    gradient all-reduce (`syncs`, seconds) goes out when that stage's last backward is done
+    (`done`) on the rank's one communication channel, in that order
+    (`runtime.pipeline.GradientSync`); the optimizer waits for the last."""
+    channel = 0.0
+    for ready, seconds in sorted(zip(done, syncs, strict=True)):
+        if seconds:
+            channel = max(channel, ready) + seconds
+    return max(end, channel)

@@ -43,8 +43,8 @@ the ILP's objective is kept as ``ilp_step_time_bound`` in the plan's search info
 are priced by the schedule simulator (`inter_op`), each stage's microbatch as its programs
 run with the pass (`overlapped_time` of the stage's parts with the gradient collectives
 its backward program runs: a sharded parameter's reduce-scatter, every microbatch; the
-replicated parameters' all-reduces run once per step, after the schedule,
-`inter_op.reduced_per_step`). Every plan's program runs the pass (`passes.comm`), uneven
+replicated parameters' all-reduces run once per step, each stage's from its last backward,
+`inter_op.reduced_per_step`, `inter_op.synced_end`). Every plan's program runs the pass (`passes.comm`), uneven
 shards included: the pass buckets only what every peer's program has alike and keeps the
 traced issue order of the collectives (tests/test_uneven.py).
 """

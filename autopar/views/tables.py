@@ -129,7 +129,8 @@ def step_text(plan: Plan) -> str:
 def _pipeline_step(plan: Plan) -> str:
     """What a pipelined step is made of: the schedule over the microbatches, each stage's
     microbatch (forward + backward, as its programs run with the communication pass) and
-    the gradient reduction after the schedule (`search.inter_op.PricedSchedule.info`)."""
+    what the gradient reduction adds beyond the timeline: each stage's goes out at its
+    last backward, under the rank's other work (`search.inter_op.PricedSchedule.info`)."""
     p, s = plan.pipeline, plan.solver
     overlap = "overlapped" if plan.comm is not None and plan.comm.overlap else "waited at once"
     text = f"{p.schedule} schedule over {p.microbatches} microbatches"
@@ -140,7 +141,7 @@ def _pipeline_step(plan: Plan) -> str:
     if s.get("bubble") is not None:
         text += f"; bubble {100 * s['bubble']:.1f}%"
     if s.get("gradient_sync") is not None:
-        text += f"; gradient sync after the schedule {s['gradient_sync'] * 1e3:.3f} ms"
+        text += f"; gradient sync beyond the timeline {s['gradient_sync'] * 1e3:.3f} ms"
     return text
 
 
