@@ -18,8 +18,8 @@ import math
 import pytest
 
 from autopar.plan import SCHEDULES, stage_ranks
-from autopar.search.inter_op import balanced_cuts
 from autopar.search.schedules import TORCH_CLASSES, replay, simulate
+from autopar.search.stage_cuts import balanced_cuts
 from autopar.testing.parity import LR, ParityCase, run_parity
 
 ALL = ("gpipe", "1f1b", "interleaved1f1b", "interleavedzb", "zbv", "dualpipev")
@@ -413,6 +413,8 @@ def test_a_stage_reduces_its_gradients_from_its_last_backward() -> None:
     rank's one communication channel (`runtime.pipeline.GradientSync`): a rank of two
     stages hides the first-finished one's under the other's remaining backward; the
     reductions never add more than their sum after the rank's last action."""
+    from dataclasses import replace
+
     from autopar.cost_models.buckets import fused_time
     from autopar.search.inter_op import price_schedule, stage_cluster
     from autopar.search.schedules import synced_end
@@ -436,6 +438,9 @@ def test_a_stage_reduces_its_gradients_from_its_last_backward() -> None:
     # the timeline: only stage 0's reduction is exposed
     p = price_schedule(costs, "interleaved1f1b", 2, 4, cluster)
     assert p.sync == pytest.approx(one_stage)
+    # ZeRO (`scatter_gradients`): the rank's stages' reductions, one buffer, after it all
+    zero = price_schedule(replace(costs, zero=True), "interleaved1f1b", 2, 4, cluster)
+    assert zero.sync == pytest.approx(fused_time(reduce * 2, stage_cluster(cluster)))
 
 
 def test_stage_cuts_balance_the_overlapped_stage_times() -> None:

@@ -69,6 +69,7 @@ from autopar.search.schedules import (
     synced_end,
     weight_gradient_work,
 )
+from autopar.search.stage_cuts import balanced_cuts
 from autopar.search.step import Part, overlapped_time, program_parts
 from autopar.search.to_plan import assemble_plan
 
@@ -141,6 +142,8 @@ class LayerCosts:
     post: PartCost  # after the last layer (final norm, head, loss)
     boundary_bytes: float  # activation bytes a stage sends per microbatch
     comm: CommPlan | None = None  # the stage programs' communication pass (None: none)
+    # ZeRO: `scatter_gradients` reduces every stage's gradients after the schedule, waited
+    zero: bool = False
 
     @property
     def time(self) -> list[float]:
@@ -193,7 +196,8 @@ def layer_costs(captured: Captured, result: IntraOpResult) -> LayerCosts:
         else:
             pre += cost
     boundary = _boundary_bytes(captured, result)
-    return LayerCosts(tuple(layers), tuple(parts), pre, post, boundary, result.comm)
+    zero = result.ctx.shard_optimizer
+    return LayerCosts(tuple(layers), tuple(parts), pre, post, boundary, result.comm, zero)
 
 
 def _grads(result: IntraOpResult, n, pos: int, op) -> list[Grad]:
@@ -219,39 +223,6 @@ def _boundary_bytes(captured: Captured, result: IntraOpResult) -> float:
                     mesh = result.ctx.mesh_shape
                     return float(local_numel(v.shape, spec, mesh) * v.element_size())
     return 0.0
-
-
-def balanced_cuts(
-    costs: list[float], stages: int, span: Callable[[int, int], float] | None = None
-) -> tuple[int, ...]:
-    """First layer of each stage, minimizing the slowest stage (contiguous ranges; DP).
-    `span(i, j)`: seconds of a stage of layers i..j-1 (default: the sum of their `costs`)."""
-    n = len(costs)
-    if stages > n:
-        raise ValueError(
-            f"{stages} pipeline stages need at least {stages} layers; the model "
-            f"has {n}. Use fewer stages or a non-interleaved schedule."
-        )
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    if span is None:
-        span = lambda i, j: prefix[j] - prefix[i]  # noqa: E731
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, stages + 1):
-        for j in range(s, n + 1):
-            for i in range(s - 1, j):
-                v = max(best[s - 1][i], span(i, j))
-                if v < best[s][j]:
-                    best[s][j], cut[s][j] = v, i
-    cuts, j = [], n
-    for s in range(stages, 0, -1):
-        cuts.append(cut[s][j])
-        j = cut[s][j]
-    return tuple(reversed(cuts))
 
 
 def _stage_parts(lc: LayerCosts, cuts: tuple[int, ...]) -> list[PartCost]:
@@ -354,7 +325,11 @@ def price_schedule(
         own = [s for s in range(num) if ranks[s] == r]
         mine = [stages[s] for s in own]
         peak.append(sum(p.state for p in mine) + max(p.act for p in mine) * tl.in_flight[r])
-        syncs = [fused_time([g for g in p.grads if reduced_per_step(g)], sub) for p in mine]
+        grads = [[g for g in p.grads if reduced_per_step(g)] for p in mine]
+        if lc.zero:  # one buffer per key over the rank's stages, after its timeline
+            finish.append(tl.step_time + fused_time([g for gs in grads for g in gs], sub))
+            continue
+        syncs = [fused_time(gs, sub) for gs in grads]
         finish.append(synced_end(tl.ends[r], [tl.grads_done[s] for s in own], syncs))
     step = max(finish)
     return PricedSchedule(schedule, cuts, tl, max(peak), step, tuple(times), step - tl.step_time)
