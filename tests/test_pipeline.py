@@ -438,9 +438,13 @@ def test_a_stage_reduces_its_gradients_from_its_last_backward() -> None:
     # the timeline: only stage 0's reduction is exposed
     p = price_schedule(costs, "interleaved1f1b", 2, 4, cluster)
     assert p.sync == pytest.approx(one_stage)
-    # ZeRO (`scatter_gradients`): the rank's stages' reductions, one buffer, after it all
-    zero = price_schedule(replace(costs, zero=True), "interleaved1f1b", 2, 4, cluster)
-    assert zero.sync == pytest.approx(fused_time(reduce * 2, stage_cluster(cluster)))
+    # ZeRO (`runtime.stage_grads.GradientScatter`): a reduce-scatter per stage, the same
+    # way, then the optimizer step's all-gathers of the working parameters, one each
+    zero = price_schedule(replace(costs, zero=0.5), "interleaved1f1b", 2, 4, cluster)
+    sub = stage_cluster(cluster)
+    scatter = fused_time([(k, "reduce_scatter", a, b) for k, _, a, b in reduce], sub)
+    gather = fused_time([(k, "all_gather", a, b / 2) for k, _, a, b in reduce], sub)
+    assert zero.sync == pytest.approx(scatter + 2 * gather)
 
 
 def test_stage_cuts_balance_the_overlapped_stage_times() -> None:

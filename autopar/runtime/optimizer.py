@@ -27,7 +27,7 @@ policy: a bf16 all-gather), so the all-reduce of plain data parallelism becomes 
 reduce-scatter (in backward) + all-gather (after the step) of the same volume. A pipeline
 rank (`runtime.pipeline_model`) uses the same state over its stages' shards: its stage
 modules hold the working parameters, the microbatches accumulate their full-size gradients
-(ZeRO-2 too), and `runtime.pipeline.scatter_gradients` reduce-scatters them into the flat
+(ZeRO-2 too), and `runtime.stage_grads.GradientScatter` reduce-scatters them into the flat
 gradients after the last backward (ZeRO-2 then frees the full-size ones).
 
 Loss scaling (`plan.memory.loss_scaling`, fp16): as `torch.amp.GradScaler`: the program

@@ -13,38 +13,37 @@ the same rows whatever the data-parallel degree.
 Gradients are synchronized once per step: a stage program's backward leaves each
 parameter's gradient unreduced on the axes where the parameter is replicated and its
 gradient partial (`_DeferGradSync`), the microbatches' local gradients accumulate, and
-after a stage's last backward `GradientSync` all-reduces them without waiting, one flat
-buffer per (axes, dtype), while the schedule goes on (what the planner prices: one
-gradient reduction per step, on the rank's communication channel from that moment). Under ZeRO
-(`shard_optimizer`) `scatter_gradients` reduce-scatters them instead, bucketed, into the
-flat shards `runtime.optimizer.ParamState` steps (the working parameters are then in the
-compute dtype, and so are the gradients the microbatches accumulate).
+after a stage's last backward `runtime.stage_grads.GradientSync` all-reduces them
+without waiting, one flat buffer per (axes, dtype), while the schedule goes on (what the
+planner prices: one gradient reduction per step, on the rank's communication channel from
+that moment). Under ZeRO (`shard_optimizer`) `GradientScatter` reduce-scatters them
+instead, bucketed, into the flat shards `runtime.optimizer.ParamState` steps (the working
+parameters are then in the compute dtype, and so are the gradients the microbatches
+accumulate).
 A parameter used by two stages (a tied embedding and head) lives in both; after the
 schedule ran, its gradients are summed over the pipeline axis (non-owners add zeros).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 
 from autopar._compat import aot_function, cached_sharding_propagation, default_partition
 from autopar.passes.comm import CommOptions, optimize_comm, options_of
 from autopar.passes.lower import PlacedInterpreter, _wrap
-from autopar.passes.precision import ParamBoundary, flat_spec
+from autopar.passes.precision import ParamBoundary
 from autopar.passes.recompute import recompute_activations, recomputed_nodes
 from autopar.passes.stages import StageGraph
 from autopar.plan import MemoryPlan, Plan, parse_spec
 from autopar.runtime.inductor import aot_compiler
 from autopar.runtime.shards import local_chunk, mesh_device
+from autopar.runtime.stage_grads import is_sum_partial
 from autopar.runtime.zero_bubble import WeightGradients
 from autopar.search.schedules import ZERO_BUBBLE
 
@@ -92,7 +91,7 @@ class StageModule(nn.Module):
         pending = self.grad_placements
         interp = PlacedInterpreter(stage.gm, plan, mesh)
         # mixed precision: parameters cast at the boundary (passes.precision); ZeRO's
-        # reduce-scatter runs after the last microbatch (`scatter_gradients`), so the
+        # reduce-scatter runs after the last microbatch (`GradientScatter`), so the
         # program reads the working parameters as a plain (or casting) boundary
         boundary = replace(ParamBoundary.of(plan), shard_optimizer=False, shard_gradients=False)
         n_params = len(stage.params)
@@ -160,7 +159,7 @@ class _DeferGradSync(torch.autograd.Function):
     def backward(ctx, grad):
         spec, mesh = ctx.spec, ctx.mesh
         keep = tuple(
-            gp if isinstance(sp, Replicate) and _is_sum_partial(gp) else sp
+            gp if isinstance(sp, Replicate) and is_sum_partial(gp) else sp
             for sp, gp in zip(spec, grad.placements, strict=True)
         )
         if tuple(grad.placements) != keep:
@@ -176,142 +175,6 @@ class _DeferGradSync(torch.autograd.Function):
                 stride=grad.stride(),
             )
         return grad, None, None, None, None
-
-
-def _is_sum_partial(p) -> bool:
-    return type(p) is Partial and p.reduce_op == "sum"
-
-
-class GradientSync:
-    """The gradients the stage programs left partial, reduced once per step, each stage's
-    as soon as its last backward is done: the schedule's REDUCE_GRAD action (torch puts it
-    right after a stage's last B or W) calls `launch(module)` (`SyncingStage`), which
-    flattens the stage's gradients into one buffer per (placements, dtype), in the
-    policy's reduce dtype, and issues its all-reduce over the first partial axis
-    without waiting; the schedule goes on with the rank's other stages meanwhile. `wait()`
-    (after the schedule, before the optimizer) waits them in launch order, reduces a
-    buffer over its further partial axes (a parameter replicated on two axes: rare and
-    small, the norms under sequence parallelism), copies the sums back and frees the
-    buffers. `search.inter_op.price_schedule` prices each stage's reduction on the
-    rank's communication channel from that stage's last backward, `search.peak` holds
-    every stage's buffers at once. Only the last schedule step of a batch launches
-    (`armed`: uneven microbatches run two); a stage whose action never came is launched
-    by `wait`, in stage order."""
-
-    def __init__(self, modules: list[StageModule], mesh: DeviceMesh):
-        self.modules, self.mesh = modules, mesh
-        self.armed = False
-        self.late = 0  # stages `wait` launched: their REDUCE_GRAD never came (tests read it)
-        self._launched: set[int] = set()
-        self._pending: list[tuple] = []  # (work, flat, remaining axes, gradients)
-
-    def launch(self, module: StageModule) -> None:
-        # a stage's index: the smaller microbatches' twin module shares its gradients
-        if not self.armed or module.stage.index in self._launched:
-            return
-        self._launched.add(module.stage.index)
-        for (axes, dtype), grads in _partial_buckets(module).items():
-            flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
-            work = dist.all_reduce(flat, group=self.mesh.get_group(axes[0]), async_op=True)
-            self._pending.append((work, flat, axes[1:], grads))
-
-    def wait(self) -> None:
-        for module in self.modules:
-            if self.armed and module.stage.index not in self._launched:
-                self.late += 1
-                self.launch(module)
-        for work, flat, rest, grads in self._pending:
-            work.wait()
-            for axis in rest:
-                dist.all_reduce(flat, group=self.mesh.get_group(axis))
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-        self._pending.clear()
-        self._launched.clear()
-        self.armed = False
-
-
-def _partial_buckets(module: StageModule) -> dict[tuple, list[torch.Tensor]]:
-    """(partial axes, reduce dtype) -> the stage's gradients its program left partial
-    there, in parameter order."""
-    buckets: dict[tuple, list[torch.Tensor]] = {}
-    for i, p in enumerate(module.shards):
-        keep = module.grad_placements.get(i)
-        if p.grad is None or keep is None or not any(q.is_partial() for q in keep):
-            continue
-        assert all(_is_sum_partial(q) for q in keep if q.is_partial()), keep
-        axes = tuple(a for a, q in enumerate(keep) if q.is_partial())
-        dtype = module.reduce_dtype or p.grad.dtype
-        buckets.setdefault((axes, dtype), []).append(p.grad)
-    return buckets
-
-
-class SyncingStage(PipelineStage):
-    """torch's `PipelineStage` whose REDUCE_GRAD action (after its last backward) hands
-    the stage's gradients to `GradientSync.launch`."""
-
-    def __init__(self, *args, sync: GradientSync | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.sync = sync
-
-    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        super().perform_reduce_grad(grad_scale_factor)
-        if self.sync is not None:
-            self.sync.launch(self.submod)
-
-
-def scatter_gradients(
-    modules: list[StageModule], mesh: DeviceMesh, master: torch.dtype | None
-) -> list[list[torch.Tensor | None]]:
-    """ZeRO: reduce-scatter the gradients the stage programs left partial into each
-    parameter's flat shard (`passes.precision.flat_shard`'s padded layout), once, bucketed
-    per (placements, flat placements, dtype). A bucket is the `R x sum(L_i / R)` matrix
-    whose row r is every parameter's r-th chunk of its padded flat gradient (`R` replicas,
-    rows in the nested `Shard(0)` order of the replicated axes), so the reduce-scatter
-    hands rank r its row: the concatenation of its flat shards. Returns, per module and
-    parameter, the shard in `master` dtype (None where no gradient was made)."""
-    out: list[list[torch.Tensor | None]] = [[None] * len(m.shards) for m in modules]
-    buckets: dict[tuple, list[tuple[int, int, torch.Tensor]]] = {}
-    for j, module in enumerate(modules):
-        for i, p in enumerate(module.shards):
-            keep = module.grad_placements.get(i)
-            if p.grad is None or keep is None:
-                continue
-            src = tuple(q if q.is_partial() else Replicate() for q in keep)
-            dst = flat_spec(module._specs[i])
-            dtype = module.reduce_dtype or p.grad.dtype
-            buckets.setdefault((src, dst, dtype), []).append((j, i, p.grad))
-    for (src, dst, dtype), grads in buckets.items():
-        r = math.prod(mesh.size(a) for a, q in enumerate(dst) if isinstance(q, Shard))
-        widths = [-(-g.numel() // r) for _, _, g in grads]
-        rows = torch.zeros(r, sum(widths), dtype=dtype, device=grads[0][2].device)
-        offset = 0
-        for (_, _, g), w in zip(grads, widths, strict=True):
-            _fill_rows(rows[:, offset : offset + w], g)
-            offset += w
-        flat = rows.view(-1)
-        dt = DTensor.from_local(flat, mesh, src, run_check=False, shape=flat.shape, stride=(1,))
-        mine = dt.redistribute(mesh, dst).to_local()
-        del rows, flat, dt
-        offset = 0
-        for (j, i, _), w in zip(grads, widths, strict=True):
-            shard = mine[offset : offset + w]
-            out[j][i] = shard.to(master) if master is not None and shard.dtype != master else shard
-            offset += w
-    return out
-
-
-def _fill_rows(block: torch.Tensor, grad: torch.Tensor) -> None:
-    """Row k of `block` (R x w): chunk k of the gradient's flat, zero-padded to R * w."""
-    flat = grad.reshape(-1)
-    w = block.shape[1]
-    full, rest = divmod(flat.numel(), w)
-    if full:
-        block[:full].copy_(flat[: full * w].view(full, w))
-    if rest:
-        block[full, :rest].copy_(flat[full * w :])
 
 
 def _recompute_partition(memory: MemoryPlan, n_state: int, n_inputs: int, counts: list[int]):

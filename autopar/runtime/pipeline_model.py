@@ -29,15 +29,9 @@ from autopar.plan import SCHEDULES, Plan, parse_spec, stage_ranks
 from autopar.runtime.memory_stats import optimizer_state_tensors
 from autopar.runtime.optimizer import LossScaler, ParamState
 from autopar.runtime.parallel_model import OptimizerFactory, TrainingSteps
-from autopar.runtime.pipeline import (
-    GradientSync,
-    StageModule,
-    SyncingStage,
-    _example,
-    boundary_spec,
-    scatter_gradients,
-)
+from autopar.runtime.pipeline import StageModule, _example, boundary_spec
 from autopar.runtime.shards import gather_full, local_chunk, mesh_device
+from autopar.runtime.stage_grads import GradientScatter, GradientSync, SyncingStage
 from autopar.search.schedules import TORCH_CLASSES
 
 
@@ -72,13 +66,18 @@ class PipelineModel(TrainingSteps):
         # ZeRO: flat fp32 master shards stepped by `ParamState`; the stage modules hold
         # the working parameters (compute dtype), filled by its all-gather
         self.zero = _zero_state(self.modules, plan, self.mesh, optimizer)
-        # replicated parameters' gradients: each stage's all-reduced from its last backward
-        # on (ZeRO reduce-scatters them all after the schedule, `scatter_gradients`)
-        self.sync = GradientSync(list(self.modules.values()), self.mesh)
+        self._tied = _tied_params(graphs)
+        # replicated parameters' gradients: each stage's all-reduced (ZeRO: reduce-scattered)
+        # from its last backward on (`runtime.stage_grads`)
+        modules = list(self.modules.values())
+        self.sync = (
+            GradientSync(modules, self.mesh)
+            if self.zero is None
+            else GradientScatter(modules, self.mesh, _master_dtype(self.zero), self._tied)
+        )
         self.stages = [
             self._pipeline_stage(graphs[s], m, len(graphs)) for s, m in self.modules.items()
         ]
-        self._tied = _tied_params(graphs)
         rows = _captured_rows(captured)
         count = plan.microbatches - (smaller.count if smaller is not None else 0)
         self.runs = [_Run(_make_schedule(plan, self.stages, self._loss, count), count, rows)]
@@ -109,7 +108,7 @@ class PipelineModel(TrainingSteps):
             dw_builder=module.weight_grads.builder
             if module.weight_grads is not None
             else _nothing_left,
-            sync=self.sync if self.zero is None else None,
+            sync=self.sync,
         )
 
     # ---- training --------------------------------------------------------------------
@@ -145,7 +144,7 @@ class PipelineModel(TrainingSteps):
             self.sync.wait()  # launched at each stage's last backward
             self._sync_tied_grads()
         else:
-            self._sync_tied_grads()  # unreduced: the sum over pp commutes with the scatter
+            self._sync_tied_grads()  # unreduced: `GradientScatter` left them for `wait`
             self._scatter_gradients()
         if self.scaler is not None:
             self.scaler.unscale(g for g in self.local_grads().values() if g is not None)
@@ -174,16 +173,15 @@ class PipelineModel(TrainingSteps):
         super().optimizer_step()
 
     def _scatter_gradients(self) -> None:
-        """ZeRO: the microbatches' gradients reduce-scattered into the flat shards (ZeRO-2
-        then frees the full-size gradients)."""
+        """ZeRO: the microbatches' gradients reduce-scattered into the flat shards
+        (`GradientScatter.wait`; ZeRO-2 then frees the full-size gradients)."""
         assert self.zero is not None
-        modules = list(self.modules.items())
-        shards = scatter_gradients([m for _, m in modules], self.mesh, _master_dtype(self.zero))
-        for (s, m), row in zip(modules, shards, strict=True):
-            for i, g in enumerate(row):
-                self.zero.flats[_key(s, i)].grad = g
-                if self.plan.memory.shard_gradients:
-                    m.shards[i].grad = None
+        self.sync.wait()
+        for (s, i), g in self.sync.shards.items():
+            self.zero.flats[_key(s, i)].grad = g
+            if self.plan.memory.shard_gradients:
+                self.modules[s].shards[i].grad = None
+        self.sync.shards.clear()
 
     def _clear_working_grads(self) -> None:
         for m in self.modules.values():

@@ -142,8 +142,9 @@ class LayerCosts:
     post: PartCost  # after the last layer (final norm, head, loss)
     boundary_bytes: float  # activation bytes a stage sends per microbatch
     comm: CommPlan | None = None  # the stage programs' communication pass (None: none)
-    # ZeRO: `scatter_gradients` reduces every stage's gradients after the schedule, waited
-    zero: bool = False
+    # ZeRO: bytes the all-gathers after the optimizer step move (the working parameters,
+    # `runtime.optimizer.ParamState`) per gradient byte reduced; 0: no ZeRO
+    zero: float = 0.0
 
     @property
     def time(self) -> list[float]:
@@ -196,7 +197,11 @@ def layer_costs(captured: Captured, result: IntraOpResult) -> LayerCosts:
         else:
             pre += cost
     boundary = _boundary_bytes(captured, result)
-    zero = result.ctx.shard_optimizer
+    zero = 0.0
+    if result.ctx.shard_optimizer:
+        params = (n for n in captured.placeholders() if n.name in captured.params)
+        itemsize = next((n.meta["val"].element_size() for n in params), 4)
+        zero = itemsize / (result.ctx.reduce_itemsize or itemsize)
     return LayerCosts(tuple(layers), tuple(parts), pre, post, boundary, result.comm, zero)
 
 
@@ -326,11 +331,13 @@ def price_schedule(
         mine = [stages[s] for s in own]
         peak.append(sum(p.state for p in mine) + max(p.act for p in mine) * tl.in_flight[r])
         grads = [[g for g in p.grads if reduced_per_step(g)] for p in mine]
-        if lc.zero:  # one buffer per key over the rank's stages, after its timeline
-            finish.append(tl.step_time + fused_time([g for gs in grads for g in gs], sub))
-            continue
+        after = 0.0
+        if lc.zero:  # reduce-scatters, then one all-gather per parameter after the step
+            gathers = [(k, Collective.ALL_GATHER, a, b * lc.zero) for k, _, a, b in sum(grads, [])]
+            after = collective_times(gathers, sub, fused=False)
+            grads = [[(k, Collective.REDUCE_SCATTER, a, b) for k, _, a, b in gs] for gs in grads]
         syncs = [fused_time(gs, sub) for gs in grads]
-        finish.append(synced_end(tl.ends[r], [tl.grads_done[s] for s in own], syncs))
+        finish.append(synced_end(tl.ends[r], [tl.grads_done[s] for s in own], syncs) + after)
     step = max(finish)
     return PricedSchedule(schedule, cuts, tl, max(peak), step, tuple(times), step - tl.step_time)
 
@@ -387,7 +394,7 @@ def solve_pipeline(
     pp = cluster.axis_size("pp")
     limit = options.memory_limit or cluster.device.memory_bytes * 0.9
     # ZeRO-2 in a pipeline: the microbatches accumulate the full-size gradients before
-    # the reduce-scatter (`runtime.pipeline.scatter_gradients`), so the peak holds them
+    # the reduce-scatter (`runtime.stage_grads.GradientScatter`), so the peak holds them
     options = replace(options, shard_gradients=False)
     weights = pipeline_weights(pp, pipeline.microbatches, layers or {})
     candidates = [pipeline.schedule] if pipeline.schedule else list(SCHEDULES)

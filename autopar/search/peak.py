@@ -109,10 +109,7 @@ def predict_peak_per_rank(
         mine = [s for s in range(n) if owners[s] == rank]
         grads = [stage_gradients(captured, plan, stages[s]) for s in mine]
         rank_sims = [sims[s] for s in mine]
-        together = not plan.memory.shard_optimizer  # GradientSync; ZeRO: scatter_gradients
-        out.append(
-            _combine(rank_sims, grads, timeline.in_flight[rank], pipe.microbatches, batch, together)
-        )
+        out.append(_combine(rank_sims, grads, timeline.in_flight[rank], pipe.microbatches, batch))
     return out
 
 
@@ -151,7 +148,7 @@ def stage_gradients(
     R replicas, compute itemsize c, master itemsize m (4 under the policy), reduce
     itemsize d: the microbatches accumulate N*m (ZeRO: N*c, the working dtype);
     `GradientSync` flattens the replicated ones into one buffer per set of axes and
-    all-reduces it in place (bucket per axes: sum N*d); ZeRO's `scatter_gradients`
+    all-reduces it in place (bucket per axes: sum N*d); ZeRO's `GradientScatter`
     copies all into an R x ceil(N/R) buffer per set of axes (bucket: sum R*ceil(N/R)*d)
     and keeps the flat shards (sum ceil(N/R)*m)."""
     mem, mesh = plan.memory, plan.stage_mesh_shape
@@ -186,16 +183,14 @@ def _combine(
     in_flight: float,
     microbatches: int,
     batch: float,
-    together: bool = True,
 ) -> PeakMemory:
     """A pipeline rank's peak from its stages' one-microbatch simulations: the largest of
     the first backward (k - 1 other microbatches in flight, no gradient accumulated yet),
     the last (nothing else in flight, every earlier microbatch's gradients held) and the
     gradient reduction after it (`stage_gradients`: the state, the accumulated gradients,
-    the flat shards made so far and the reduction buffers). `together`: every stage's
-    buffers are alive until the wait after the schedule (`GradientSync`; during the last
-    backward, those of the stages reduced before it), else one key's buffer over the
-    stages at a time (ZeRO's `scatter_gradients`). `in_flight` counts the rank's
+    the flat shards made so far and the reduction buffers: every stage's, alive until the
+    wait after the schedule, `runtime.stage_grads`; during the last backward, those of the
+    stages reduced before it). `in_flight` counts the rank's
     stage-microbatches together (`schedules.simulate`): with v stages per rank, each
     stage's simulation holds one, and the rest are held at the largest stage's `kept`."""
     first = dict.fromkeys(CATEGORIES, 0.0)
@@ -213,14 +208,8 @@ def _combine(
             sync[c] += p.breakdown[c]
         sync["gradients"] += accumulated + shards
     per_stage = [sum(b.values()) for _, _, b in grads]
-    if together:
-        sync["communication"] = sum(per_stage)
-        last["communication"] += sum(per_stage) - min(per_stage, default=0.0)
-    else:
-        keys = {k for _, _, b in grads for k in b}
-        sync["communication"] = max(
-            (sum(b.get(k, 0.0) for _, _, b in grads) for k in keys), default=0.0
-        )
+    sync["communication"] = sum(per_stage)
+    last["communication"] += sum(per_stage) - min(per_stage, default=0.0)
     # the batch: simulated as one microbatch's shard (and global) on the stages reading it
     for total in (first, last):
         total["activations"] += batch - sum(p.batch for p in sims)
