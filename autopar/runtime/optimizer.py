@@ -155,8 +155,9 @@ class ParamState:
     def trained(self) -> list[torch.Tensor]:
         return list((self.flats or self.params).values())
 
-    def step(self) -> None:
-        """Unscale (fp16), step the optimizer, all-gather ZeRO masters, clear gradients."""
+    def step(self, gather: bool = True) -> None:
+        """Unscale (fp16), step the optimizer, all-gather ZeRO masters (`gather=False`: the
+        caller does, `runtime.stage_grads.ParamGather`), clear gradients."""
         if self.optimizer is None:
             return
         finite = True
@@ -165,7 +166,8 @@ class ParamState:
             self.scaler.update(finite)
         if finite:
             self.optimizer.step()
-            self._gather_masters()
+            if gather:
+                self._gather_masters()
         self.optimizer.zero_grad(set_to_none=True)
         for p in self.params.values():
             p.grad = None

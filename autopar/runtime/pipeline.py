@@ -26,6 +26,7 @@ schedule ran, its gradients are summed over the pipeline axis (non-owners add ze
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -85,6 +86,7 @@ class StageModule(nn.Module):
         self._specs = [boundary_spec(plan, n) for n in stage.params + stage.buffers + stage.inputs]
         self._shapes = [global_shape(stage, n) for n in stage.params + stage.buffers + stage.inputs]
         self._out_specs = [None if n == "loss" else boundary_spec(plan, n) for n in stage.outputs]
+        self.ready: Callable[[int], None] | None = None  # called with the stage's index
         # parameter index -> its gradient's placements as the backward leaves it (known
         # once AOTAutograd traced the backward, at the first call)
         self.grad_placements: dict[int, tuple] = {}
@@ -137,6 +139,8 @@ class StageModule(nn.Module):
         )
 
     def forward(self, *inputs: torch.Tensor):
+        if self.ready is not None:  # ZeRO: this stage's parameters gathered after the step
+            self.ready(self.stage.index)
         buffers = [getattr(self, f"b{i}") for i in range(len(self.stage.buffers))]
         with cached_sharding_propagation():  # the first call traces through DTensor
             outs = self._program(*self.shards, *buffers, *inputs)

@@ -31,7 +31,12 @@ from autopar.runtime.optimizer import LossScaler, ParamState
 from autopar.runtime.parallel_model import OptimizerFactory, TrainingSteps
 from autopar.runtime.pipeline import StageModule, _example, boundary_spec
 from autopar.runtime.shards import gather_full, local_chunk, mesh_device
-from autopar.runtime.stage_grads import GradientScatter, GradientSync, SyncingStage
+from autopar.runtime.stage_grads import (
+    GradientScatter,
+    GradientSync,
+    ParamGather,
+    SyncingStage,
+)
 from autopar.search.schedules import TORCH_CLASSES
 
 
@@ -75,6 +80,11 @@ class PipelineModel(TrainingSteps):
             if self.zero is None
             else GradientScatter(modules, self.mesh, _master_dtype(self.zero), self._tied)
         )
+        # ZeRO: the working parameters gathered after each step, each stage's waited at
+        # its next forward
+        self.gather = _param_gather(self.modules, self.zero, self.mesh)
+        for m in self.modules.values():
+            m.ready = self.gather.wait if self.gather is not None else None
         self.stages = [
             self._pipeline_stage(graphs[s], m, len(graphs)) for s, m in self.modules.items()
         ]
@@ -144,6 +154,7 @@ class PipelineModel(TrainingSteps):
             self.sync.wait()  # launched at each stage's last backward
             self._sync_tied_grads()
         else:
+            self.gather.wait_all()  # every stage ran a forward: nothing left, normally
             self._sync_tied_grads()  # unreduced: `GradientScatter` left them for `wait`
             self._scatter_gradients()
         if self.scaler is not None:
@@ -158,7 +169,8 @@ class PipelineModel(TrainingSteps):
 
     def optimizer_step(self) -> None:
         """fp16: skip the step if any rank's gradients overflowed (`LossScaler`). ZeRO:
-        step the flat masters, all-gather them into the working parameters."""
+        step the flat masters, issue their all-gathers into the working parameters (each
+        stage waits for its own at its next forward, `ParamGather`)."""
         if self.scaler is not None and self.optimizer is not None:
             grads = [g for g in self.local_grads().values() if g is not None]
             finite = self.scaler.all_finite(grads)
@@ -168,7 +180,8 @@ class PipelineModel(TrainingSteps):
                 self._clear_working_grads()
                 return
         if self.zero is not None:
-            self.zero.step()  # steps, gathers, clears the flat and full gradients
+            self.zero.step(gather=False)  # steps, clears the flat and full gradients
+            self.gather.launch()
             return
         super().optimizer_step()
 
@@ -263,6 +276,7 @@ class PipelineModel(TrainingSteps):
                 raise ValueError(f"stage {s} of the smaller microbatch differs from the planned")
             twin = StageModule(graphs[s], self.plan, self.mesh, full)
             twin.shards = module.shards
+            twin.ready = module.ready
             for i in range(len(module.stage.buffers)):
                 setattr(twin, f"b{i}", getattr(module, f"b{i}"))
             stages.append(self._pipeline_stage(graphs[s], twin, len(graphs)))
@@ -351,6 +365,20 @@ def _zero_state(
             m.shards[i] = nn.Parameter(state.params[_key(s, i)].detach())
             state.params[_key(s, i)] = m.shards[i]  # gathered into, its .grad cleared
     return state
+
+
+def _param_gather(
+    modules: dict[int, StageModule], state: ParamState | None, mesh: DeviceMesh
+) -> ParamGather | None:
+    if state is None:
+        return None
+    keys = [(s, i) for s, m in modules.items() for i in range(len(m.shards))]
+    return ParamGather(
+        {k: state.params[_key(*k)] for k in keys},
+        {k: state.flats[_key(*k)] for k in keys},
+        {k: state.specs[_key(*k)] for k in keys},
+        mesh,
+    )
 
 
 def _master_dtype(state: ParamState) -> torch.dtype | None:

@@ -100,7 +100,8 @@ class ParityResult:
     step_program: str = ""  # type of what each step ran (ParallelModel only)
     recomputed: int = 0  # nodes the step program(s) recompute in backward
     # pipelines: stage gradient reductions launched after the schedule rather than at the
-    # stage's last backward (`runtime.pipeline.GradientSync.late`)
+    # stage's last backward, ZeRO parameter gathers waited after it rather than at the
+    # stage's forward (`runtime.stage_grads`: `late`)
     late_syncs: int = 0
     # mixed precision: the same run against the fp32 reference (no casts)
     fp32_loss_rel_err: float = 0.0
@@ -450,7 +451,8 @@ def run_case(case: ParityCase, plans: dict | None = None) -> ParityResult:
             res.held, res.priced = held_bytes(pm), priced_bytes(pm.plan, tuple(pm.mesh.shape))
         pm.optimizer_step()
     res.recomputed = recomputed_nodes(pm)
-    res.late_syncs = pm.sync.late if hasattr(pm, "sync") else 0
+    if hasattr(pm, "sync"):
+        res.late_syncs = pm.sync.late + (pm.gather.late if pm.gather is not None else 0)
     res.loss_rel_err = max(abs(a - b) / abs(b) for a, b in zip(res.losses, ref.losses, strict=True))
     full = pm.full_state_dict()
     full = {k: v.cpu() for k, v in full.items()}  # the reference trains on the CPU
