@@ -438,13 +438,16 @@ def test_a_stage_reduces_its_gradients_from_its_last_backward() -> None:
     # the timeline: only stage 0's reduction is exposed
     p = price_schedule(costs, "interleaved1f1b", 2, 4, cluster)
     assert p.sync == pytest.approx(one_stage)
-    # ZeRO (`runtime.stage_grads.GradientScatter`): a reduce-scatter per stage, the same
-    # way, then the optimizer step's all-gathers of the working parameters, one each
+    # ZeRO (`runtime.stage_grads`): a reduce-scatter per stage, the same way, and each
+    # stage's parameters all-gathered (here half the gradient's bytes) from the step's
+    # start, in stage order, before its first forward: the first stage's delays the
+    # timeline, the rank's later stage's hides under the first's forwards
     zero = price_schedule(replace(costs, zero=0.5), "interleaved1f1b", 2, 4, cluster)
     sub = stage_cluster(cluster)
     scatter = fused_time([(k, "reduce_scatter", a, b) for k, _, a, b in reduce], sub)
     gather = fused_time([(k, "all_gather", a, b / 2) for k, _, a, b in reduce], sub)
-    assert zero.sync == pytest.approx(scatter + 2 * gather)
+    assert zero.sync == pytest.approx(scatter)
+    assert zero.timeline.step_time == pytest.approx(p.timeline.step_time + gather)
 
 
 def test_stage_cuts_balance_the_overlapped_stage_times() -> None:

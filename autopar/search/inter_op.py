@@ -21,7 +21,9 @@ ranks, and gives each rank's peak in-flight microbatches, which multiplies its s
 activation memory. Each stage all-reduces its replicated parameters' gradients once per
 step from its last backward (`reduced_per_step`, `runtime.pipeline.GradientSync`), one
 flat buffer per (collective, mesh axis, dtype) (`cost_models.buckets.fused_time`), on
-its rank's communication channel while its other stages compute (`schedules.synced_end`).
+its rank's communication channel while its other stages compute (`schedules.synced_end`);
+under ZeRO a reduce-scatter, and the working parameters' all-gathers go out at the step's
+start in stage order, each stage's first forward waiting for its own (`_gathered`).
 A schedule whose ranks do not fit in device memory is dropped; the fastest remaining one
 wins; none is priced when the stages' work alone reaches the layout search's best step
 (`Dominated`, `PipelineOptions.bar`: cutting and simulating cost ~1 s per layout). When
@@ -314,6 +316,12 @@ def price_schedule(
     pp_axis = cluster.axis_names.index("pp")
     p2p = send_recv_time(lc.boundary_bytes, cluster.links[pp_axis])
     times = [stage_time(p, sub, lc.comm) for p in stages]
+    ranks = stage_ranks(schedule, pp)
+    grads = [[g for g in p.grads if reduced_per_step(g)] for p in stages]
+    ready = None
+    if lc.zero:  # reduce-scatters; the parameters' all-gathers before each stage's forward
+        ready = _gathered(grads, ranks, lc.zero, sub)
+        grads = [[(k, Collective.REDUCE_SCATTER, a, b) for k, _, a, b in gs] for gs in grads]
     tl = simulate(
         schedule,
         [t / 3 for t in times],
@@ -323,23 +331,30 @@ def price_schedule(
         p2p,
         wgrad=[p.wgrad for p in stages],
         stash=[min(p.stash / p.act, 1.0) if p.act else 1.0 for p in stages],
+        ready=ready,
     )
-    ranks = stage_ranks(schedule, pp)
     peak, finish = [], []
     for r in range(pp):
         own = [s for s in range(num) if ranks[s] == r]
         mine = [stages[s] for s in own]
         peak.append(sum(p.state for p in mine) + max(p.act for p in mine) * tl.in_flight[r])
-        grads = [[g for g in p.grads if reduced_per_step(g)] for p in mine]
-        after = 0.0
-        if lc.zero:  # reduce-scatters, then one all-gather per parameter after the step
-            gathers = [(k, Collective.ALL_GATHER, a, b * lc.zero) for k, _, a, b in sum(grads, [])]
-            after = collective_times(gathers, sub, fused=False)
-            grads = [[(k, Collective.REDUCE_SCATTER, a, b) for k, _, a, b in gs] for gs in grads]
-        syncs = [fused_time(gs, sub) for gs in grads]
-        finish.append(synced_end(tl.ends[r], [tl.grads_done[s] for s in own], syncs) + after)
+        syncs = [fused_time(grads[s], sub) for s in own]
+        finish.append(synced_end(tl.ends[r], [tl.grads_done[s] for s in own], syncs))
     step = max(finish)
     return PricedSchedule(schedule, cuts, tl, max(peak), step, tuple(times), step - tl.step_time)
+
+
+def _gathered(grads: list[list[Grad]], ranks: list[int], ratio: float, sub) -> list[float]:
+    """ZeRO: when each stage's parameters are gathered (`runtime.stage_grads.ParamGather`):
+    a rank issues one all-gather per stage (`ratio` x its gradients' bytes: the working
+    dtype's) in stage order on its channel at the step's start (right after the previous
+    step's optimizer step)."""
+    ready, channel = [0.0] * len(grads), dict.fromkeys(ranks, 0.0)
+    for s, gs in enumerate(grads):
+        gathers = [(k, Collective.ALL_GATHER, a, b * ratio) for k, _, a, b in gs]
+        channel[ranks[s]] += fused_time(gathers, sub)
+        ready[s] = channel[ranks[s]]
+    return ready
 
 
 def reduced_per_step(grad: Grad) -> bool:

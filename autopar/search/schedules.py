@@ -164,8 +164,10 @@ def simulate(
     p2p: float = 0.0,
     wgrad: list[float] | None = None,
     stash: list[float] | None = None,
+    ready: list[float] | None = None,
 ) -> Timeline:
-    """List-schedule the actions; `fwd`/`bwd`: per stage, seconds per microbatch; `wgrad`:
+    """List-schedule the actions; `fwd`/`bwd`: per stage, seconds per microbatch; `ready`:
+    per stage, when its parameters are there (ZeRO's gather; default 0); `wgrad`:
     the part of `bwd` a zero-bubble schedule runs at W (default none); `stash`: the
     fraction of a microbatch's activations held from I to W (default 1). `microbatches`
     may be a tuple of group counts (`microbatch_groups`): each rank runs the groups'
@@ -183,7 +185,8 @@ def simulate(
         for rank, order in enumerate(group):
             orders[rank] += [(k, s, first + i) for k, s, i in order]
         first += count
-    return replay(orders, fwd, bwd, stage_ranks(schedule, pp), p2p, schedule, wgrad, stash)
+    ranks = stage_ranks(schedule, pp)
+    return replay(orders, fwd, bwd, ranks, p2p, schedule, wgrad, stash, ready)
 
 
 def torch_order(schedule: str, pp: int, microbatches: int) -> list[list[tuple]]:
@@ -215,12 +218,13 @@ def replay(
     schedule: str = "",
     wgrad: list[float] | None = None,
     stash: list[float] | None = None,
+    ready: list[float] | None = None,
 ) -> Timeline:
     """Each rank runs its actions in order, each starting once the rank is free and its
     inputs exist (F(s, m) after F(s-1, m); the backward of (s, m) after F(s, m) and the
     backward of (s+1, m); W after I), plus `p2p` per crossing between ranks. Durations as
     the runtime runs them (module docstring): F = fwd, B = bwd, I = bwd - wgrad, W = wgrad
-    (stage 0: I = 0, W = bwd). Activations are held from F until B, or until I but for
+    (stage 0: I = 0, W = bwd). A stage's forwards start no earlier than its `ready`. Activations are held from F until B, or until I but for
     the `stash` fraction held until W."""
     num, pp = len(fwd), len(orders)
     w = [min(x, b) for x, b in zip(wgrad or [0.0] * num, bwd, strict=True)]
@@ -242,7 +246,7 @@ def replay(
                 if any(d not in done for d in deps):
                     break
                 start = max(
-                    [clock[rank]]
+                    [clock[rank], ready[s] if ready and kind == "F" else 0.0]
                     + [done[d] + (p2p if owner[d[1]] != owner[s] else 0.0) for d in deps]
                 )
                 clock[rank] = start + cost[kind][s]
