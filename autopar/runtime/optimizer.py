@@ -46,7 +46,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopar.passes.precision import LOSS_SCALE, ParamBoundary, flat_shard, gather_flat
+from autopar.passes.precision import (
+    LOSS_SCALE,
+    ParamBoundary,
+    flat_shard,
+    gather_flat,
+    replicated_axes,
+)
 from autopar.plan import Spec
 from autopar.runtime.shards import mesh_device as _device
 
@@ -157,7 +163,7 @@ class ParamState:
 
     def step(self, gather: bool = True) -> None:
         """Unscale (fp16), step the optimizer, all-gather ZeRO masters (`gather=False`: the
-        caller does, `runtime.stage_grads.ParamGather`), clear gradients."""
+        caller does, `ParamGather`), clear gradients."""
         if self.optimizer is None:
             return
         finite = True
@@ -172,12 +178,18 @@ class ParamState:
         for p in self.params.values():
             p.grad = None
 
-    @torch.no_grad()
     def _gather_masters(self) -> None:
-        for n, flat in self.flats.items():
-            work = self.params[n]
-            src = flat.detach().to(work.dtype)  # the compute dtype under the policy
-            work.copy_(gather_flat(src, self.specs[n], self.mesh, work.shape))
+        """Every working parameter from its flat master (in the compute dtype under the
+        policy), bucketed per replicated axis (`ParamGather`)."""
+        keys = {(0, n): n for n in self.flats}
+        gather = ParamGather(
+            {k: self.params[n] for k, n in keys.items()},
+            {k: self.flats[n] for k, n in keys.items()},
+            {k: self.specs[n] for k, n in keys.items()},
+            self.mesh,
+        )
+        gather.launch()
+        gather.wait_all()
 
     # ---- views ---------------------------------------------------------------------------
     def grads(self) -> dict[str, torch.Tensor | None]:
@@ -207,3 +219,60 @@ class ParamState:
             return self.params[name].detach()
         flat = self.flats[name].detach()
         return gather_flat(flat, self.specs[name], self.mesh, self.params[name].shape)
+
+
+class ParamGather:
+    """ZeRO: the working parameters all-gathered from the flat masters after the optimizer
+    step, one flat buffer per group and replicated axis (`R x sum(L_i / R)`: row r holds
+    every parameter's r-th chunk of its padded flat, the rows the gradients' reduce-scatter
+    handed out; in the working dtype), issued without waiting in group order; `wait(group)`
+    finishes a group's. Keys are (group, name): a pipeline's group is a stage, which waits
+    for its own at its next forward (`StageModule.ready`), so a rank's later stages and the
+    ranks that start late in the schedule hide theirs (Megatron's overlapped parameter
+    gather; `search.inter_op.price_schedule` prices it so); `ParamState` has one group and
+    waits at once. A parameter replicated on more than one axis is gathered at launch
+    (`passes.precision.gather_flat`). `params`: key -> the working parameter, `flats` /
+    `specs` the same keys' masters and specs."""
+
+    def __init__(self, params: dict, flats: dict, specs: dict, mesh: DeviceMesh):
+        self.params, self.flats, self.specs, self.mesh = params, flats, specs, mesh
+        self._pending: dict[int, list] = {}  # stage -> [(work, rows, [(key, width)])]
+        self.late = 0  # stages `wait_all` waited for: their forward never did (tests read it)
+
+    @torch.no_grad()
+    def launch(self) -> None:
+        buckets: dict[tuple[int, int], list[tuple]] = {}
+        for key in sorted(self.params):
+            spec, work = self.specs[key], self.params[key]
+            axes = replicated_axes(spec)
+            if len(axes) != 1:  # unreplicated: a copy; two axes: DTensor's gather, now
+                full = gather_flat(
+                    self.flats[key].detach().to(work.dtype), spec, self.mesh, work.shape
+                )
+                work.copy_(full)
+                continue
+            buckets.setdefault((key[0], axes[0]), []).append(key)
+        for (stage, axis), keys in sorted(buckets.items()):
+            mine = torch.cat([self.flats[k].detach().to(self.params[k].dtype) for k in keys])
+            flat = mine.new_empty(self.mesh.size(axis) * mine.numel())  # gloo: flat form
+            group = self.mesh.get_group(axis)
+            work = dist.all_gather_into_tensor(flat, mine, group=group, async_op=True)
+            rows = flat.view(self.mesh.size(axis), mine.numel())
+            widths = [(k, self.flats[k].numel()) for k in keys]
+            self._pending.setdefault(stage, []).append((work, rows, widths))
+
+    @torch.no_grad()
+    def wait(self, stage: int) -> None:
+        for work, rows, widths in self._pending.pop(stage, []):
+            work.wait()
+            offset = 0
+            for key, w in widths:
+                param = self.params[key]
+                full = rows[:, offset : offset + w].reshape(-1)[: param.numel()]
+                param.copy_(full.view_as(param))
+                offset += w
+
+    def wait_all(self) -> None:
+        self.late += len(self._pending)
+        for stage in sorted(self._pending):
+            self.wait(stage)

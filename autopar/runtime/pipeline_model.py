@@ -27,16 +27,11 @@ from autopar.passes.precision import ParamBoundary, flat_shard
 from autopar.passes.stages import split_stages
 from autopar.plan import SCHEDULES, Plan, parse_spec, stage_ranks
 from autopar.runtime.memory_stats import optimizer_state_tensors
-from autopar.runtime.optimizer import LossScaler, ParamState
+from autopar.runtime.optimizer import LossScaler, ParamGather, ParamState
 from autopar.runtime.parallel_model import OptimizerFactory, TrainingSteps
 from autopar.runtime.pipeline import StageModule, _example, boundary_spec
 from autopar.runtime.shards import gather_full, local_chunk, mesh_device
-from autopar.runtime.stage_grads import (
-    GradientScatter,
-    GradientSync,
-    ParamGather,
-    SyncingStage,
-)
+from autopar.runtime.stage_grads import GradientScatter, GradientSync, SyncingStage
 from autopar.search.schedules import TORCH_CLASSES
 
 

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from autopar.passes.precision import flat_spec, gather_flat
+from autopar.passes.precision import flat_spec
 
 if TYPE_CHECKING:  # runtime.pipeline imports this module
     from autopar.runtime.pipeline import StageModule
@@ -210,58 +210,3 @@ class SyncingStage(PipelineStage):
         super().perform_reduce_grad(grad_scale_factor)
         if self.sync is not None:
             self.sync.launch(self.submod)
-
-
-class ParamGather:
-    """ZeRO: after the optimizer step, each stage's working parameters all-gathered from
-    the flat masters without waiting, one flat buffer per stage (`R x sum(L_i / R)`, the
-    rows `GradientScatter` scattered, in the compute dtype), issued in stage order (the
-    order of the stages' first forwards on a rank); a stage waits for its own at its next
-    forward (`StageModule.ready`), so a rank's later stages and the ranks that start late
-    in the schedule hide theirs (Megatron's overlapped parameter gather;
-    `search.inter_op.price_schedule` prices it so). A parameter replicated on more than
-    one axis is gathered at once (`passes.precision.gather_flat`). `params`: (stage,
-    index) -> the working parameter, `flats` / `specs` the same keys' masters and specs."""
-
-    def __init__(self, params: dict, flats: dict, specs: dict, mesh: DeviceMesh):
-        self.params, self.flats, self.specs, self.mesh = params, flats, specs, mesh
-        self._pending: dict[int, list] = {}  # stage -> [(work, rows, [(key, width)])]
-        self.late = 0  # stages `wait_all` waited for: their forward never did (tests read it)
-
-    @torch.no_grad()
-    def launch(self) -> None:
-        buckets: dict[tuple[int, int], list[tuple]] = {}
-        for key in sorted(self.params):
-            spec, work = self.specs[key], self.params[key]
-            axes = [a for a, p in enumerate(spec) if isinstance(p, Replicate)]
-            if len(axes) != 1:  # unreplicated: a copy; two axes: DTensor's gather, now
-                full = gather_flat(
-                    self.flats[key].detach().to(work.dtype), spec, self.mesh, work.shape
-                )
-                work.copy_(full)
-                continue
-            buckets.setdefault((key[0], axes[0]), []).append(key)
-        for (stage, axis), keys in sorted(buckets.items()):
-            mine = torch.cat([self.flats[k].detach().to(self.params[k].dtype) for k in keys])
-            flat = mine.new_empty(self.mesh.size(axis) * mine.numel())  # gloo: flat form
-            group = self.mesh.get_group(axis)
-            work = dist.all_gather_into_tensor(flat, mine, group=group, async_op=True)
-            rows = flat.view(self.mesh.size(axis), mine.numel())
-            widths = [(k, self.flats[k].numel()) for k in keys]
-            self._pending.setdefault(stage, []).append((work, rows, widths))
-
-    @torch.no_grad()
-    def wait(self, stage: int) -> None:
-        for work, rows, widths in self._pending.pop(stage, []):
-            work.wait()
-            offset = 0
-            for key, w in widths:
-                param = self.params[key]
-                full = rows[:, offset : offset + w].reshape(-1)[: param.numel()]
-                param.copy_(full.view_as(param))
-                offset += w
-
-    def wait_all(self) -> None:
-        self.late += len(self._pending)
-        for stage in sorted(self._pending):
-            self.wait(stage)

@@ -72,7 +72,13 @@ from autopar.search.schedules import (
     weight_gradient_work,
 )
 from autopar.search.stage_cuts import balanced_cuts
-from autopar.search.step import Part, overlapped_time, program_parts
+from autopar.search.step import (
+    Part,
+    overlapped_time,
+    program_parts,
+    zero_gather_ratio,
+    zero_gathers,
+)
 from autopar.search.to_plan import assemble_plan
 
 
@@ -199,11 +205,7 @@ def layer_costs(captured: Captured, result: IntraOpResult) -> LayerCosts:
         else:
             pre += cost
     boundary = _boundary_bytes(captured, result)
-    zero = 0.0
-    if result.ctx.shard_optimizer:
-        params = (n for n in captured.placeholders() if n.name in captured.params)
-        itemsize = next((n.meta["val"].element_size() for n in params), 4)
-        zero = itemsize / (result.ctx.reduce_itemsize or itemsize)
+    zero = zero_gather_ratio(captured, result)
     return LayerCosts(tuple(layers), tuple(parts), pre, post, boundary, result.comm, zero)
 
 
@@ -345,14 +347,12 @@ def price_schedule(
 
 
 def _gathered(grads: list[list[Grad]], ranks: list[int], ratio: float, sub) -> list[float]:
-    """ZeRO: when each stage's parameters are gathered (`runtime.stage_grads.ParamGather`):
-    a rank issues one all-gather per stage (`ratio` x its gradients' bytes: the working
-    dtype's) in stage order on its channel at the step's start (right after the previous
-    step's optimizer step)."""
+    """ZeRO: when each stage's parameters are gathered (`runtime.optimizer.ParamGather`):
+    a rank issues one all-gather per stage and axis (`step.zero_gathers`) in stage order
+    on its channel at the step's start (right after the previous optimizer step)."""
     ready, channel = [0.0] * len(grads), dict.fromkeys(ranks, 0.0)
     for s, gs in enumerate(grads):
-        gathers = [(k, Collective.ALL_GATHER, a, b * ratio) for k, _, a, b in gs]
-        channel[ranks[s]] += fused_time(gathers, sub)
+        channel[ranks[s]] += fused_time(zero_gathers(gs, ratio), sub)
         ready[s] = channel[ranks[s]]
     return ready
 

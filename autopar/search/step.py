@@ -62,9 +62,11 @@ from autopar.cluster import Cluster
 from autopar.cost_models.buckets import (
     Grad,
     collective_times,
+    fused_time,
     overlapped_step,
     prefetch_exposure,
 )
+from autopar.cost_models.comm import Collective
 from autopar.plan import DEFAULT_COMM, CommPlan
 
 if TYPE_CHECKING:  # intra_op imports this module
@@ -91,8 +93,47 @@ class Part:
 def predicted_step_time(
     captured: Captured, result: IntraOpResult, comm: CommPlan | None = DEFAULT_COMM
 ) -> float:
-    """Seconds per step of `result`'s plan as the runtime runs it with `comm` (module doc)."""
-    return overlapped_time(program_parts(captured, result), result.ctx.cluster, comm)
+    """Seconds per step of `result`'s plan as the runtime runs it with `comm` (module doc).
+    ZeRO: a replicated parameter's gradient is reduce-scattered in backward, and after the
+    optimizer step the working parameters all-gathered, one flat buffer per mesh axis,
+    waited (`runtime.optimizer.ParamGather`)."""
+    parts, cluster = program_parts(captured, result), result.ctx.cluster
+    ratio = zero_gather_ratio(captured, result)
+    if not ratio:
+        return overlapped_time(parts, cluster, comm)
+    gathers = []
+    for p in parts:
+        gathers += zero_gathers(p.grads, ratio * p.weight)
+        p.grads = [
+            (k, Collective.REDUCE_SCATTER if _is_all_reduce(kind) else kind, a, b)
+            for k, kind, a, b in p.grads
+        ]
+    return overlapped_time(parts, cluster, comm) + fused_time(gathers, cluster)
+
+
+def zero_gather_ratio(captured: Captured, result: IntraOpResult) -> float:
+    """ZeRO: bytes the all-gathers after the optimizer step move (the working parameters)
+    per gradient byte reduced; 0 without ZeRO."""
+    if not result.ctx.shard_optimizer:
+        return 0.0
+    params = (n for n in captured.placeholders() if n.name in captured.params)
+    itemsize = next((n.meta["val"].element_size() for n in params), 4)
+    return itemsize / (result.ctx.reduce_itemsize or itemsize)
+
+
+def _is_all_reduce(kind) -> bool:
+    return Collective(kind) is Collective.ALL_REDUCE
+
+
+def zero_gathers(grads: list[Grad], ratio: float) -> list[Grad]:
+    """ZeRO: the all-gathers of the working parameters whose gradients `grads` all-reduce
+    (`ratio` x their bytes), keyed by mesh axis alone: one flat buffer per axis
+    (`runtime.optimizer.ParamGather`)."""
+    return [
+        (("zero-gather",), Collective.ALL_GATHER, a, b * ratio)
+        for _, kind, a, b in grads
+        if _is_all_reduce(kind)
+    ]
 
 
 def program_parts(captured: Captured, result: IntraOpResult) -> list[Part]:
