@@ -162,8 +162,8 @@ class ParamState:
         return list((self.flats or self.params).values())
 
     def step(self, gather: bool = True) -> None:
-        """Unscale (fp16), step the optimizer, all-gather ZeRO masters (`gather=False`: the
-        caller does, `ParamGather`), clear gradients."""
+        """Unscale (fp16), step the optimizer, clear gradients, all-gather ZeRO masters
+        (`gather=False`: the caller does, `ParamGather`; the gradients are freed first)."""
         if self.optimizer is None:
             return
         finite = True
@@ -172,11 +172,11 @@ class ParamState:
             self.scaler.update(finite)
         if finite:
             self.optimizer.step()
-            if gather:
-                self._gather_masters()
         self.optimizer.zero_grad(set_to_none=True)
         for p in self.params.values():
             p.grad = None
+        if finite and gather:
+            self._gather_masters()
 
     def _gather_masters(self) -> None:
         """Every working parameter from its flat master (in the compute dtype under the
