@@ -149,8 +149,9 @@ def stage_gradients(
     itemsize d: the microbatches accumulate N*m (ZeRO: N*c, the working dtype);
     `GradientSync` flattens the replicated ones into one buffer per set of axes and
     all-reduces it in place (bucket per axes: sum N*d); ZeRO's `GradientScatter`
-    copies all into an R x ceil(N/R) buffer per set of axes (bucket: sum R*ceil(N/R)*d)
-    and keeps the flat shards (sum ceil(N/R)*m)."""
+    copies all into an R x ceil(N/R) buffer per set of axes (bucket: sum R*ceil(N/R)*d;
+    twice on gloo, whose reduce-scatter works on a copy) and keeps the flat shards (sum
+    ceil(N/R)*m)."""
     mem, mesh = plan.memory, plan.stage_mesh_shape
     names = {a.name for n in nodes for a in [n, *n.all_input_nodes] if a.op == "placeholder"}
     accumulated = shards = 0.0
@@ -169,7 +170,9 @@ def stage_gradients(
         if mem.shard_optimizer:
             accumulated += numel * c
             shards += -(-numel // r) * m
-            buckets[axes] = buckets.get(axes, 0.0) + -(-numel // r) * r * d
+            # gloo reduce-scatters a full-size copy of the bucket, alive until the wait
+            copies = 2 if plan.cluster.get("backend", "nccl") == "gloo" else 1
+            buckets[axes] = buckets.get(axes, 0.0) + -(-numel // r) * r * d * copies
         else:
             accumulated += numel * m
             if axes:
