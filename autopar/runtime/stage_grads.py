@@ -55,9 +55,13 @@ class _StageReduction:
             if self.armed and module.stage.index not in self._launched:
                 self.late += 1
                 self.launch(module)
-        pending, self._pending = self._pending, []
         self._launched.clear()
         self.armed = False
+        self._drain()
+
+    def _drain(self) -> None:
+        """Finish what was issued, in issue order."""
+        pending, self._pending = self._pending, []
         for entry in pending:
             self._finish(*entry)
 
@@ -119,9 +123,7 @@ class GradientScatter(_StageReduction):
         super().wait()
         for module in self.modules:
             self._scatter(module, tied=True)
-        for entry in self._pending:
-            self._finish(*entry)
-        self._pending = []
+        self._drain()
 
     def _issue(self, module: StageModule) -> None:
         self._scatter(module, tied=False)
