@@ -391,8 +391,8 @@ def plan_layout(
         loss_fn,
         replace(
             options,
-            pipeline_stages=best.pp,  # 1: no pipeline
-            microbatches=best.microbatches if best.pp > 1 else None,
+            pipeline_stages=best.pp,  # 1: no pipeline, or accumulation (a "pp" axis of 1)
+            microbatches=best.microbatches if best.pp > 1 or best.accumulates else None,
             schedule=best.schedule,
         ),
         template=found.template_for(best, batch[0].shape[0]),

@@ -198,3 +198,41 @@ def test_default_call_pipelines_a_memory_bound_gpt_where_it_pays() -> None:
     assert off.pipeline is None and off.mesh_shape == cluster.mesh_shape
     assert plan.predicted_step_time < off.predicted_step_time
     assert max(plan.predicted_peak_memory, off.predicted_peak_memory) <= limit
+
+
+def test_gradient_accumulation_where_the_whole_batch_does_not_fit() -> None:
+    """Without pipelining, a batch whose activations do not fit runs as microbatches
+    accumulating their gradients (a one-stage pipeline: a "pp" axis of 1, 1F1B's order);
+    it is priced only where the whole batch needs memory levers or does not fit."""
+    import autopar
+
+    model, batch = _meta_gpt("small", 64)
+    cluster = Cluster.preset("dgx-a100-80g", nodes=1)
+    roomy = SearchOptions()
+    with fake_group(cluster.world_size):
+        found = search_layout(model, batch, cluster, roomy, pipeline_stages=1)
+    assert not found.best.accumulates
+    assert any(
+        v == "skipped: the whole batch fits without memory levers" for v in found.tried.values()
+    )
+    limit = 0.027 * 2**30
+    with fake_group(cluster.world_size):
+        found = search_layout(
+            model, batch, cluster, SearchOptions(memory_limit=limit), pipeline_stages=1
+        )
+    best = found.best
+    assert best.accumulates and best.microbatches > 1, found.tried
+    assert str(found.tried[f"pp1 dp{best.dp} tp{best.tp} m1"]).startswith("infeasible")
+    assert found.peak_memory <= limit
+    plan = autopar.plan(
+        model,
+        batch,
+        cluster=best.cluster(cluster),
+        microbatches=best.microbatches,
+        memory_limit=limit,
+    )
+    assert plan.pipeline.pp == 1 and plan.pipeline.microbatches == best.microbatches
+    assert plan.pipeline.schedule == "1f1b" and plan.axis_names[0] == "pp"
+    # the stage ILP's memory, as the search priced it (the liveness replay of the final plan
+    # also counts the communication pass's 25 MiB buckets, which dominate so small a model)
+    assert plan.solver["ilp_memory"] <= limit

@@ -16,7 +16,9 @@ microbatch's shape, cached by shape, so a 112-block model prices like a 2-block 
 `pp == 1` by the overlapped step (`IntraOpResult.step_time`, the whole batch), `pp > 1` by
 `inter_op.solve_pipeline` (the ILP with pipeline weights, then every schedule simulated).
 Microbatches hold `mbs` rows per data-parallel replica, `mbs` in 1, 2 (Megatron's micro
-batch size), so `M = rows / (dp * mbs)`, and `M >= pp`.
+batch size), so `M = rows / (dp * mbs)`, and `M >= pp`. Without a pipeline, `M = 1` (the
+whole batch) or, where that needs memory levers or does not fit, gradient accumulation over
+`M > 1` microbatches: a one-stage pipeline (a "pp" axis of 1) run in 1F1B's order.
 
 Which degrees: for each `tp`, every divisor `pp` of `devices / tp` that divides the number
 of blocks (they are few: 26 for 48 GPUs and 24 blocks); microbatch sizes grow until one
@@ -68,11 +70,19 @@ class Layout:
         sched = f" {self.schedule}" if self.schedule else ""
         return f"pp{self.pp} dp{self.dp} tp{self.tp} m{self.microbatches}{sched}"
 
+    @property
+    def accumulates(self) -> bool:
+        """Gradient accumulation: one stage running several microbatches (a pipeline of
+        one stage, whose gradients are reduced once after its last backward)."""
+        return self.pp == 1 and self.microbatches > 1
+
     def cluster(self, base: Cluster) -> Cluster:
         """`base`'s devices on this layout's mesh: ("pp", "dp", "tp"), size-1 axes dropped
-        (one stage axis is always kept)."""
+        (one stage axis is always kept; an accumulating layout keeps its "pp" axis of 1,
+        what makes the plan a one-stage pipeline)."""
         axes = [("pp", self.pp), ("dp", self.dp), ("tp", self.tp)]
-        kept = [(n, s) for n, s in axes if s > 1] or [("dp", 1)]
+        kept = [(n, s) for n, s in axes if s > 1 or (n == "pp" and self.accumulates)]
+        kept = kept or [("dp", 1)]
         if [n for n, _ in kept] == ["pp"]:
             kept.append(("dp", 1))
         return base.reshaped([s for _, s in kept], [n for n, _ in kept])
@@ -101,6 +111,11 @@ class _Pricer:
     options: SearchOptions
     loss_fn: Callable | None
     templates: dict[int, Template] = field(default_factory=dict)
+    # (dp, tp) whose whole batch needs memory levers or does not fit: where accumulating
+    # gradients over microbatches can pay. Where it fits without levers, accumulation
+    # cannot: smaller matmuls, more launches, the gradient reduction after the last
+    # microbatch instead of behind the whole backward, the same states.
+    pressed: set[tuple[int, int]] = field(default_factory=set)
 
     def template(self, rows: int) -> Template:
         if rows not in self.templates:
@@ -128,8 +143,10 @@ class _Pricer:
         # shapes only: a mesh without process groups prices any device's plan, and rank 0
         # of a running job can build meshes the other ranks never do
         mesh = shape_only_mesh("cpu", cluster.mesh_shape, cluster.axis_names)
-        if layout.pp == 1:
+        if layout.pp == 1 and not layout.accumulates:
             result = solve_on_template(tpl, cluster, mesh, self.options, None)
+            if any(result.memory_plan):
+                self.pressed.add((layout.dp, layout.tp))
             return result.step_time, result.memory, layout
         pipeline = PipelineOptions(layout.microbatches, schedule, rows=rows, bar=bar)
         result, best, _ = solve_on_template(tpl, cluster, mesh, self.options, pipeline)
@@ -152,8 +169,11 @@ def candidate_layouts(
         rows_by_degree = []
         for p in degrees:
             dp = world // (tp * p)
-            if p == 1:
-                counts = [1] if rows % dp == 0 else []
+            if p == 1 and microbatches is not None:
+                counts = [microbatches] if microbatches <= rows and rows % dp == 0 else []
+            elif p == 1:  # accumulation (most microbatches first), then the whole batch
+                counts = [rows // (dp * b) for b in MICROBATCH_ROWS if rows % (dp * b) == 0]
+                counts = [m for m in counts if m > 1] + ([1] if rows % dp == 0 else [])
             elif microbatches is not None:
                 counts = [microbatches] if microbatches <= rows else []  # uneven: priced so
             else:
@@ -236,8 +256,12 @@ def _price_all(
     cannot win and is not priced, nor are a pipeline's schedules once its ILP's stage work
     reaches it (`inter_op.Dominated`)."""
     best = None
-    for layout in layouts:
+    for layout in _whole_batch_first(layouts):
         beat = bar if best is None else min(bar, best[0])  # the best so far, this degree's too
+        if layout.accumulates and (layout.dp, layout.tp) not in pricer.pressed:
+            tried[layout.key] = "skipped: the whole batch fits without memory levers"
+            candidate(layout.key, None)
+            continue
         bound = pricer.bound(layout)
         if bound >= beat:
             tried[layout.key] = f"pruned: compute bound {bound:.4g} s >= best {beat:.4g} s"
@@ -252,7 +276,10 @@ def _price_all(
         except (MemoryInfeasible, ValueError) as exc:
             tried[layout.key] = f"infeasible: {str(exc).splitlines()[0][:100]}"
             candidate(layout.key, None)
-            break
+            if layout.pp > 1 or layout.accumulates:
+                break
+            pricer.pressed.add((layout.dp, layout.tp))  # the whole batch does not fit
+            continue
         except SolverTimeout as exc:  # unknown, not infeasible: the next count may solve
             tried[layout.key] = f"no solution: {str(exc)[:60]}"
             candidate(layout.key, None)
@@ -262,6 +289,12 @@ def _price_all(
         if best is None or found[0] < best[0]:
             best = found
     return best
+
+
+def _whole_batch_first(layouts: list[Layout]) -> list[Layout]:
+    """A degree's layouts in pricing order: without a pipeline, the whole batch before
+    the accumulating ones (priced only where it is pressed for memory)."""
+    return sorted(layouts, key=lambda lay: lay.accumulates)
 
 
 def compute_bound(template: Template, cluster: Cluster, devices: int) -> float:
