@@ -44,9 +44,13 @@ are priced by the schedule simulator (`inter_op`), each stage's microbatch as it
 run with the pass (`overlapped_time` of the stage's parts with the gradient collectives
 its backward program runs: a sharded parameter's reduce-scatter, every microbatch; the
 replicated parameters' all-reduces run once per step, each stage's from its last backward,
-`inter_op.reduced_per_step`, `inter_op.synced_end`). Every plan's program runs the pass (`passes.comm`), uneven
-shards included: the pass buckets only what every peer's program has alike and keeps the
-traced issue order of the collectives (tests/test_uneven.py).
+`inter_op.reduced_per_step`, `schedules.synced_end`). ZeRO: a non-pipelined plan's
+reduce-scatters go out behind the backward like the all-reduces they replace, and the
+working parameters' all-gathers, one fused per axis (`zero_gathers`), after the optimizer
+step, waited; a pipeline's per stage on its rank's channel at the step's start, each
+stage's forwards waiting for its own (`inter_op`). Every plan's program runs the pass
+(`passes.comm`), uneven shards included: the pass buckets only what every peer's program
+has alike and keeps the traced issue order of the collectives (tests/test_uneven.py).
 """
 
 from __future__ import annotations
