@@ -205,6 +205,7 @@ def test_gradient_accumulation_where_the_whole_batch_does_not_fit() -> None:
     accumulating their gradients (a one-stage pipeline: a "pp" axis of 1, 1F1B's order);
     it is priced only where the whole batch needs memory levers or does not fit."""
     import autopar
+    from autopar.views import summary
 
     model, batch = _meta_gpt("small", 64)
     cluster = Cluster.preset("dgx-a100-80g", nodes=1)
@@ -233,6 +234,7 @@ def test_gradient_accumulation_where_the_whole_batch_does_not_fit() -> None:
     )
     assert plan.pipeline.pp == 1 and plan.pipeline.microbatches == best.microbatches
     assert plan.pipeline.schedule == "1f1b" and plan.axis_names[0] == "pp"
+    assert f"gradient accumulation: {best.microbatches} microbatches" in summary(plan)
     # the stage ILP's memory, as the search priced it (the liveness replay of the final plan
     # also counts the communication pass's 25 MiB buckets, which dominate so small a model)
     assert plan.solver["ilp_memory"] <= limit
