@@ -9,8 +9,8 @@ searches the layout (`autopar.planning.searches_layout`). For each row the layou
 (`autopar.search.layouts`) picks pp / dp / tp / microbatches / schedule, and the same
 pricer prices Megatron's (TP, PP) with dp = 48, one sequence per microbatch (the rest,
 placements and schedule, left to the same search; without a pipeline, Megatron's rows
-accumulate gradients over 4 microbatches, priced as autopar runs that: a one-stage 1F1B,
-the gradient reduction after the last microbatch's backward). Both are priced as Megatron trains
+accumulate gradients over 4 microbatches, priced as autopar runs that: a pipeline of one
+rank, each stage's gradient reduction after its last backward). Both are priced as Megatron trains
 them: the bf16 mixed-precision policy (fp32 master and Adam states, bf16 compute, fp32
 gradient reduction), ZeRO-1 (Megatron's distributed optimizer, `shard_optimizer=True`),
 and activation recompute per layer where it pays (searched), by autopar's cost model:
@@ -83,7 +83,7 @@ def run_row(row: str, comm_overlap: float = 0.0) -> dict:
         ours = search_layout(model, inputs, cluster, options)
         search_s = time.perf_counter() - t0
         pricer = _Pricer(model, inputs, cluster, options, None)
-        megatron = Layout(pp, DP, tp, batch // DP)  # pp 1: accumulation over 1-row batches
+        megatron = Layout(pp, DP, tp, batch // DP)  # pp 1: accumulating 1-row microbatches
         try:
             m_step, m_peak, m_layout = pricer.price(megatron, None)
         except ValueError as exc:  # does not fit under this cost model

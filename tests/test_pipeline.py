@@ -64,9 +64,8 @@ def test_pipeline_matches_single_device(world, mesh, names, strategy, schedules)
         for sample in ("gpt", "llama")
         for c in _cases(sample, mesh, names, strategy, schedules[sample])
     ]
-    if names == ("pp",):  # gradient accumulation: one stage, its pp axis of 1
-        accumulate = dict(config="tiny4", steps=STEPS, schedule="1f1b", microbatches=4)
-        cases.append(ParityCase("gpt", (1, 2), ("pp", "dp"), "dp", **accumulate))
+    if names == ("pp",):  # gradient accumulation: a pp axis of 1, one stage or two
+        cases += _cases("gpt", (1, 2), ("pp", "dp"), "dp", ("1f1b", "interleaved1f1b"))
     if names == ("pp", "dp"):
         cases.append(ParityCase("gpt", (4,), ("cpu",), config="tiny4", steps=STEPS))
         # FSDP stages under ZBV: the weight-gradient halves reduce-scatter

@@ -412,8 +412,7 @@ def solve_pipeline(
     # the reduce-scatter (`runtime.stage_grads.GradientScatter`), so the peak holds them
     options = replace(options, shard_gradients=False)
     weights = pipeline_weights(pp, pipeline.microbatches, layers or {})
-    # one stage is gradient accumulation: 1F1B's order, one microbatch's activations alive
-    candidates = [pipeline.schedule] if pipeline.schedule else ["1f1b"] if pp == 1 else [*SCHEDULES]
+    candidates = [pipeline.schedule] if pipeline.schedule else list(SCHEDULES)
     ilp_limit = limit * pp
     result = solve_intra(captured, stage_cluster(cluster), stage_mesh, options, weights, ilp_limit)
     with_comm(result)

@@ -18,7 +18,9 @@ microbatch's shape, cached by shape, so a 112-block model prices like a 2-block 
 Microbatches hold `mbs` rows per data-parallel replica, `mbs` in 1, 2 (Megatron's micro
 batch size), so `M = rows / (dp * mbs)`, and `M >= pp`. Without a pipeline, `M = 1` (the
 whole batch) or, where that needs memory levers or does not fit, gradient accumulation over
-`M > 1` microbatches: a one-stage pipeline (a "pp" axis of 1) run in 1F1B's order.
+`M > 1` microbatches: a pipeline on a "pp" axis of 1, its schedules priced as for any
+degree (two stages on the one rank, as interleaved and V-shaped schedules run, let the
+first-finished stage's gradient reduction overlap the other's last backward).
 
 Which degrees: for each `tp`, every divisor `pp` of `devices / tp` that divides the number
 of blocks (they are few: 26 for 48 GPUs and 24 blocks); microbatch sizes grow until one
@@ -72,8 +74,8 @@ class Layout:
 
     @property
     def accumulates(self) -> bool:
-        """Gradient accumulation: one stage running several microbatches (a pipeline of
-        one stage, whose gradients are reduced once after its last backward)."""
+        """Gradient accumulation: several microbatches on a pipeline of one rank (each of
+        its stages' gradients reduced once, after that stage's last backward)."""
         return self.pp == 1 and self.microbatches > 1
 
     def cluster(self, base: Cluster) -> Cluster:

@@ -303,10 +303,11 @@ def memory_levers(plan: Plan) -> str:
 
 def _pipeline_lines(plan: Plan, d: dict) -> list[str]:
     p = plan.pipeline
-    if len(p.stage_cuts) == 1:  # one stage: the gradients accumulate over the microbatches
+    if p.pp == 1:  # one pipeline rank: the gradients accumulate over the microbatches
         return [
-            f"gradient accumulation: {p.microbatches} microbatches in {p.schedule}'s order, "
-            "the gradients reduced after the last one's backward"
+            f"gradient accumulation: {p.microbatches} microbatches, {len(p.stage_cuts)} "
+            f"stage(s) in {p.schedule}'s order, each stage's gradients reduced after its last "
+            "backward"
         ]
     lines = [
         f"pipeline: {p.pp} ranks x {len(p.stage_cuts) // p.pp} stages each, schedule "
