@@ -42,6 +42,8 @@ PLANS: dict[str, tuple] = {
     "dp+zero2": ((4,), ("dp",), "dp", {"shard_optimizer": True, "shard_gradients": True}, None),
     "pp2xdp2": ((2, 2), ("pp", "dp"), "dp", {}, ("1f1b", 2)),
     "pp2xdp2+zero1": ((2, 2), ("pp", "dp"), "dp", {"shard_optimizer": True}, ("1f1b", 2)),
+    # gradient accumulation: a pipeline axis of 1, two microbatches of one row a replica
+    "dpx4+acc2": ((1, 4), ("pp", "dp"), "dp", {}, ("1f1b", 2)),
     # two stages a rank: each stage's gradient buffers alive from its last backward on
     "pp2xdp2+zbv": ((2, 2), ("pp", "dp"), "dp", {}, ("zbv", 4)),
     "pp2xdp2+zbv+zero1": ((2, 2), ("pp", "dp"), "dp", {"shard_optimizer": True}, ("zbv", 4)),
