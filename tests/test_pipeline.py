@@ -13,6 +13,7 @@ the stage boundary and enters the next stage as the Partial its plan keeps.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -74,8 +75,17 @@ def test_pipeline_matches_single_device(world, mesh, names, strategy, schedules)
         # the stage boundary complete and enters stage 1 as the Partial its plan keeps
         moe = dict(config="tiny-dropless", steps=STEPS, schedule="1f1b", microbatches=2)
         cases.append(ParityCase("moe", mesh, names, "dp", **moe))
+    # 8 rows in 4 microbatches of 2 over dp = 4: a clear error on every rank, no hang
+    too_thin = ParityCase("gpt", (1, 4), ("pp", "dp"), "dp", config="tiny4", steps=STEPS)
+    too_thin = dataclasses.replace(too_thin, schedule="1f1b", microbatches=4)
+    if names == ("pp", "dp"):
+        cases.append(too_thin)
     failures = []
     for res in run_parity(cases):
+        if res.label == too_thin.label:
+            if "cannot give each of the 4 ranks" not in (res.error or ""):
+                failures.append(f"{res.label}: no clear error: {res.error}")
+            continue
         if res.error:
             failures.append(f"{res.label}: {res.error}")
             continue

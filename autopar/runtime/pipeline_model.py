@@ -13,6 +13,7 @@ mean, as on one device.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as pp_schedules
+from torch.distributed.tensor import Shard
 
 from autopar.capture import Captured
 from autopar.passes.precision import ParamBoundary, flat_shard
@@ -84,6 +86,7 @@ class PipelineModel(TrainingSteps):
             self._pipeline_stage(graphs[s], m, len(graphs)) for s, m in self.modules.items()
         ]
         rows = _captured_rows(captured)
+        _check_microbatch_rows(plan, captured, self.mesh, smaller)
         count = plan.microbatches - (smaller.count if smaller is not None else 0)
         self.runs = [_Run(_make_schedule(plan, self.stages, self._loss, count), count, rows)]
         if smaller is not None:  # uneven microbatches: the smaller ones' own programs
@@ -396,6 +399,24 @@ class SmallerMicrobatches:
 
     captured: Captured
     count: int
+
+
+def _check_microbatch_rows(plan: Plan, captured: Captured, mesh: DeviceMesh, smaller) -> None:
+    """Every rank's piece of every microbatch holds a row (torch's schedules cannot split
+    an empty one): else a ValueError on every rank alike, before any collective."""
+    rows = _captured_rows(smaller.captured) if smaller is not None else _captured_rows(captured)
+    for name in captured.user_inputs:
+        spec = boundary_spec(plan, name)
+        axes = [a for a, p in enumerate(spec) if isinstance(p, Shard) and p.dim == 0]
+        ranks = math.prod(mesh.size(a) for a in axes)
+        if rows < ranks:
+            most = max(rows * plan.microbatches // ranks, 1)
+            raise ValueError(
+                f"microbatches of {rows} row(s) cannot give each of the {ranks} ranks that "
+                f"split the batch ('{name}' over {[mesh.mesh_dim_names[a] for a in axes]}) a "
+                f"row; use at most {most} "
+                "microbatches, or a larger batch"
+            )
 
 
 @dataclass(frozen=True)
