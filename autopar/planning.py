@@ -152,22 +152,25 @@ class PlanJob:
         # what the runtime really holds at its peak (a liveness simulation of the step)
         with phase("assembly"):
             plan = with_predicted_memory(captured, plan, options.optimizer_states)
-        warn_if_over_memory(plan, self.cluster)
+        warn_if_over_memory(plan, self.cluster, self.options.memory_limit)
         return plan
 
 
-def warn_if_over_memory(plan: Plan, cluster: Cluster) -> None:
+def warn_if_over_memory(plan: Plan, cluster: Cluster, memory_limit: float | None = None) -> None:
     """The search fits its own price of the memory under the limit; the liveness simulation
-    of the step it chose (`Plan.predicted_peak_memory`) may still exceed the device, where
-    the two models disagree: say so, with the fix, rather than let the run fail there."""
+    of the step it chose (`Plan.predicted_peak_memory`) may still exceed the device (or the
+    `memory_limit` the call gave), where the two models disagree: say so, with the fix,
+    rather than let the run fail there."""
     peak, device = plan.predicted_peak_memory, cluster.device.memory_bytes
-    if peak > device:
+    bound = min(device, memory_limit) if memory_limit is not None else device
+    if peak > bound:
+        what = "device's" if bound == device else "memory_limit of"
         warnings.warn(
-            f"the plan's predicted peak is {peak / 2**30:.1f} GiB per device (a liveness "
-            f"simulation of the step), above the device's {device / 2**30:.1f} GiB, though "
-            f"the search priced {plan.solver.get('ilp_memory', peak) / 2**30:.1f} GiB: the "
+            f"the plan's predicted peak is {peak / 2**30:.3g} GiB per device (a liveness "
+            f"simulation of the step), above the {what} {bound / 2**30:.3g} GiB, though "
+            f"the search priced {plan.solver.get('ilp_memory', peak) / 2**30:.3g} GiB: the "
             "run may run out of memory. Fix: plan with a lower memory_limit= (e.g. "
-            f"{0.8 * device * device / peak / 2**30:.0f} GiB), activation_checkpointing="
+            f"{0.8 * bound * bound / peak / 2**30:.3g} GiB), activation_checkpointing="
             "'full', or more devices.",
             stacklevel=3,
         )

@@ -194,3 +194,6 @@ def test_a_plan_predicted_above_the_device_warns_with_the_fix(toy):
     over = dataclasses.replace(plan, predicted_peak_memory=2.0 * cluster.device.memory_bytes)
     with pytest.warns(UserWarning, match=r"above the device's .* Fix: plan with a lower"):
         warn_if_over_memory(over, cluster)
+    # a memory_limit the call gave is the bound it is held to
+    with pytest.warns(UserWarning, match=r"above the memory_limit of"):
+        warn_if_over_memory(plan, cluster, 0.5 * plan.predicted_peak_memory)
