@@ -10,8 +10,8 @@ searches the layout (`autopar.planning.searches_layout`). For each row the layou
 pricer prices Megatron's (TP, PP) with dp = 48, one sequence per microbatch (the rest,
 placements and schedule, left to the same search; without a pipeline, Megatron's rows
 accumulate gradients over 4 microbatches, priced as autopar runs that: a pipeline of one
-rank, each stage's gradient reduction after its last backward). Both are priced as Megatron trains
-them: the bf16 mixed-precision policy (fp32 master and Adam states, bf16 compute, fp32
+rank, each stage's gradient reduction after its last backward). Both are priced as Megatron
+trains them: the bf16 mixed-precision policy (fp32 master and Adam states, bf16 compute, fp32
 gradient reduction), ZeRO-1 (Megatron's distributed optimizer, `shard_optimizer=True`),
 and activation recompute per layer where it pays (searched), by autopar's cost model:
 roofline at the achieved efficiencies of the `dgx-h100` preset (GEMM, attention,

@@ -13,7 +13,6 @@ the stage boundary and enters the next stage as the Partial its plan keeps.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -76,8 +75,7 @@ def test_pipeline_matches_single_device(world, mesh, names, strategy, schedules)
         moe = dict(config="tiny-dropless", steps=STEPS, schedule="1f1b", microbatches=2)
         cases.append(ParityCase("moe", mesh, names, "dp", **moe))
     # 8 rows in 4 microbatches of 2 over dp = 4: a clear error on every rank, no hang
-    too_thin = ParityCase("gpt", (1, 4), ("pp", "dp"), "dp", config="tiny4", steps=STEPS)
-    too_thin = dataclasses.replace(too_thin, schedule="1f1b", microbatches=4)
+    (too_thin,) = _cases("gpt", (1, 4), ("pp", "dp"), "dp", ("1f1b",))
     if names == ("pp", "dp"):
         cases.append(too_thin)
     failures = []

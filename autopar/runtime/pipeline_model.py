@@ -414,8 +414,7 @@ def _check_microbatch_rows(plan: Plan, captured: Captured, mesh: DeviceMesh, sma
             raise ValueError(
                 f"microbatches of {rows} row(s) cannot give each of the {ranks} ranks that "
                 f"split the batch ('{name}' over {[mesh.mesh_dim_names[a] for a in axes]}) a "
-                f"row; use at most {most} "
-                "microbatches, or a larger batch"
+                f"row; use at most {most} microbatches, or a larger batch"
             )
 
 

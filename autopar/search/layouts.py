@@ -173,9 +173,9 @@ def candidate_layouts(
             dp = world // (tp * p)
             if p == 1 and microbatches is not None:
                 counts = [microbatches] if microbatches <= rows and rows % dp == 0 else []
-            elif p == 1:  # accumulation (most microbatches first), then the whole batch
+            elif p == 1:  # the whole batch, then accumulation (most microbatches first)
                 counts = [rows // (dp * b) for b in MICROBATCH_ROWS if rows % (dp * b) == 0]
-                counts = [m for m in counts if m > 1] + ([1] if rows % dp == 0 else [])
+                counts = ([1] if rows % dp == 0 else []) + [m for m in counts if m > 1]
             elif microbatches is not None:
                 counts = [microbatches] if microbatches <= rows else []  # uneven: priced so
             else:
@@ -258,7 +258,7 @@ def _price_all(
     cannot win and is not priced, nor are a pipeline's schedules once its ILP's stage work
     reaches it (`inter_op.Dominated`)."""
     best = None
-    for layout in _whole_batch_first(layouts):
+    for layout in layouts:
         beat = bar if best is None else min(bar, best[0])  # the best so far, this degree's too
         if layout.accumulates and (layout.dp, layout.tp) not in pricer.pressed:
             tried[layout.key] = "skipped: the whole batch fits without memory levers"
@@ -291,12 +291,6 @@ def _price_all(
         if best is None or found[0] < best[0]:
             best = found
     return best
-
-
-def _whole_batch_first(layouts: list[Layout]) -> list[Layout]:
-    """A degree's layouts in pricing order: without a pipeline, the whole batch before
-    the accumulating ones (priced only where it is pressed for memory)."""
-    return sorted(layouts, key=lambda lay: lay.accumulates)
 
 
 def compute_bound(template: Template, cluster: Cluster, devices: int) -> float:

@@ -156,8 +156,11 @@ def stage_gradients(
     names = {a.name for n in nodes for a in [n, *n.all_input_nodes] if a.op == "placeholder"}
     accumulated = shards = 0.0
     buckets: dict[tuple, float] = {}
+    vals = {p.name: p.meta["val"] for p in captured.placeholders()}
+    # gloo reduce-scatters a full-size copy of the bucket, alive until the wait
+    copies = 2 if plan.cluster.get("backend", "nccl") == "gloo" else 1
     for name in sorted(names & set(captured.params)):
-        val = next(p for p in captured.placeholders() if p.name == name).meta["val"]
+        val = vals[name]
         spec = parse_spec(plan.tensor(name).spec)
         numel = math.prod(local_shape(tuple(val.shape), spec, mesh))
         c = val.dtype.itemsize
@@ -170,8 +173,6 @@ def stage_gradients(
         if mem.shard_optimizer:
             accumulated += numel * c
             shards += -(-numel // r) * m
-            # gloo reduce-scatters a full-size copy of the bucket, alive until the wait
-            copies = 2 if plan.cluster.get("backend", "nccl") == "gloo" else 1
             buckets[axes] = buckets.get(axes, 0.0) + -(-numel // r) * r * d * copies
         else:
             accumulated += numel * m
