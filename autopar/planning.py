@@ -47,7 +47,7 @@ from autopar.search.layouts import search_layout
 from autopar.search.peak import with_predicted_memory
 from autopar.search.pins import SearchOptions
 from autopar.search.progress import phase
-from autopar.search.schedules import microbatch_rows
+from autopar.search.schedules import default_microbatches, microbatch_rows
 from autopar.search.template_plan import (
     plan_from_template,
     solve_on_template,
@@ -86,7 +86,7 @@ class PlanJob:
             return cls(cluster, options, None, fusion)
         pp = cluster.mesh_shape[0]
         rows = batch[0].shape[0]
-        m = microbatches or _default_microbatches(rows, pp)
+        m = microbatches or default_microbatches(rows, pp)
         microbatch_rows(rows, m)  # a count from 1 to the rows (uneven ones: the last smaller)
         cuts, schedule = options.stage_cuts, options.schedule
         if plan is None and cuts is not None and schedule is not None:
@@ -161,10 +161,9 @@ def warn_if_over_memory(plan: Plan, cluster: Cluster, memory_limit: float | None
     of the step it chose (`Plan.predicted_peak_memory`) may still exceed the device (or the
     `memory_limit` the call gave), where the two models disagree: say so, with the fix,
     rather than let the run fail there."""
-    peak, device = plan.predicted_peak_memory, cluster.device.memory_bytes
-    bound = min(device, memory_limit) if memory_limit is not None else device
+    peak, bound = plan.predicted_peak_memory, memory_bound(cluster, memory_limit)
     if peak > bound:
-        what = "device's" if bound == device else "memory_limit of"
+        what = "device's" if bound == cluster.device.memory_bytes else "memory_limit of"
         warnings.warn(
             f"the plan's predicted peak is {peak / 2**30:.3g} GiB per device (a liveness "
             f"simulation of the step), above the {what} {bound / 2**30:.3g} GiB, though "
@@ -386,23 +385,32 @@ def plan_layout(
             found = None
     if found is None:
         return plan_model(model, batch, cluster, loss_fn, replace(options, pipeline_stages=1))
-    best = found.best
-    final = plan_model(
-        model,
-        batch,
-        best.cluster(cluster),
-        loss_fn,
-        replace(
-            options,
-            pipeline_stages=best.pp,  # 1: no pipeline, or accumulation (a "pp" axis of 1)
-            microbatches=best.microbatches if best.pp > 1 or best.accumulates else None,
-            schedule=best.schedule,
-        ),
-        template=found.template_for(best, batch[0].shape[0]),
-    )
+
+    def on(layout):  # the whole model planned on one of the search's layouts
+        return plan_model(
+            model,
+            batch,
+            layout.cluster(cluster),
+            loss_fn,
+            replace(
+                options,
+                pipeline_stages=layout.pp,  # 1: no pipeline, or accumulation ("pp" of 1)
+                microbatches=layout.microbatches if layout.pp > 1 or layout.accumulates else None,
+                schedule=layout.schedule,
+            ),
+            template=found.template_for(layout, batch[0].shape[0]),
+        )
+
+    final, layout = found.fastest_fitting(on, memory_bound(cluster, options.memory_limit))
     return final.with_solver(
-        layout=best.key, layout_candidates=found.tried, layout_search_s=found.search_time_s
+        layout=layout.key, layout_candidates=found.tried, layout_search_s=found.search_time_s
     )
+
+
+def memory_bound(cluster: Cluster, memory_limit: float | None) -> float:
+    """The memory a plan must fit: the device's, or the call's memory_limit if lower."""
+    device = cluster.device.memory_bytes
+    return min(device, memory_limit) if memory_limit is not None else device
 
 
 def plan_for_ranks(
@@ -510,11 +518,3 @@ def verify_same_plan(plan: Plan) -> None:
             f"ranks {bad} hold a different plan than rank 0 (hashes {hashes}); "
             "give every rank the same plan file."
         )
-
-
-def _default_microbatches(rows: int, pp: int) -> int:
-    """2*pp microbatches (a small bubble), or the largest divisor of the batch below it;
-    when that leaves a stage idle (a prime batch: 5 rows on 2 stages), min(rows, 2*pp)
-    uneven ones (`microbatch_rows`: 2, 1, 1, 1)."""
-    even = next(m for m in range(min(rows, 2 * pp), 0, -1) if rows % m == 0)
-    return even if even >= min(rows, pp) else min(rows, 2 * pp)

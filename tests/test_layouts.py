@@ -239,3 +239,24 @@ def test_gradient_accumulation_where_the_whole_batch_does_not_fit() -> None:
     # also counts the weights its stage gathers, which the search's pipeline peak does not:
     # above memory_limit here, and `planning.warn_if_over_memory` says so)
     assert plan.solver["ilp_memory"] <= limit
+
+
+def test_a_winner_whose_plan_is_over_memory_gives_way_to_the_next_fastest() -> None:
+    """The search prices a pipeline's peak without its gradient buckets and gather buffers;
+    the final plan's liveness simulation counts them. A winner whose final plan is over
+    the limit is replaced by the next fastest layout whose plan fits, and the search's
+    record says why."""
+    import autopar
+
+    model, batch = _meta_gpt("small", 64)
+    cluster = Cluster.preset("dgx-a100-80g", nodes=1)
+    limit = 30 * 2**20
+    plan = autopar.plan(model, batch, cluster=cluster, memory_limit=limit)
+    tried = plan.solver["layout_candidates"]
+    over = {k: v for k, v in tried.items() if str(v).startswith("over memory")}
+    assert over, tried
+    assert plan.predicted_peak_memory <= limit
+    kept = plan.solver["layout"]
+    assert kept not in over and isinstance(tried[kept], float)
+    # the layouts given up were priced faster than the one kept
+    assert all(float(v.rsplit("priced ", 1)[1].split(" s")[0]) < tried[kept] for v in over.values())

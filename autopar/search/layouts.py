@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import operator
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -48,6 +49,7 @@ from autopar.capture.export import layer_of
 from autopar.capture.template import Template, capture_template
 from autopar.cluster import Cluster
 from autopar.cost_models import compute
+from autopar.plan import Plan
 from autopar.search.costs import VIEW_OPS
 from autopar.search.ilp import MemoryInfeasible, SolverTimeout
 from autopar.search.inter_op import Dominated, PipelineOptions
@@ -98,11 +100,44 @@ class LayoutSearch:
     tried: dict[str, float | str] = field(default_factory=dict)  # key -> seconds or why not
     search_time_s: float = 0.0
     templates: dict[int, Template] = field(default_factory=dict)  # microbatch rows -> template
+    # every layout priced: (step seconds, peak bytes, layout), fastest first (`best` first)
+    priced: list[tuple[float, float, Layout]] = field(default_factory=list)
 
     def template_for(self, layout: Layout, rows: int) -> Template | None:
         """The template captured at `layout`'s microbatch shape (None if it cut nothing)."""
         tpl = self.templates.get(microbatch_rows(rows, layout.microbatches)[0])
         return tpl if tpl is not None and tpl.total_layers is not None else None
+
+    def fastest_fitting(self, plan_on: Callable[[Layout], Plan], bound: float):
+        """(plan, layout): the fastest layout whose final plan (`plan_on(layout)`) has a
+        liveness-simulated peak within `bound` bytes. The search prices a pipeline's peak
+        from its stages' states and activations, without the gradient buckets and gather
+        buffers the final plan's simulation counts (and measurement confirms), so a winner
+        can plan above it; then the next fastest priced layouts are planned
+        (`MEMORY_FALLBACKS` of them, each marked in `tried`). None fitting, the winner
+        is kept, with its plan's warnings (`planning.warn_if_over_memory` names the fix)."""
+        kept = None
+        for _, _, layout in self.priced[: 1 + MEMORY_FALLBACKS]:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                plan = plan_on(layout)
+            fits = plan.predicted_peak_memory <= bound
+            if kept is None or fits:
+                kept = (plan, layout, caught)
+            if fits:
+                break
+            peak = plan.predicted_peak_memory / 2**30
+            self.tried[layout.key] = (
+                f"over memory: its plan's simulated peak is {peak:.3g} GiB per device, "
+                f"above {bound / 2**30:.3g} GiB (priced {self.tried[layout.key]:.4g} s)"
+            )
+        plan, layout, caught = kept
+        for w in caught:  # as the kept plan's own call gives them
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return plan, layout
+
+
+MEMORY_FALLBACKS = 3  # layouts planned after a winner whose final plan is over the bound
 
 
 @dataclass
@@ -224,16 +259,19 @@ def _search_layout(
             "degree (e.g. a multiple of the device count)"
         )
     tried: dict[str, float | str] = {}
+    priced: list[tuple[float, float, Layout]] = []
     degrees = [d for by_degree in candidates.values() for d in by_degree]
     best = price_degrees(
-        degrees, lambda layouts, bar: _price_all(pricer, layouts, schedule, tried, bar)
+        degrees, lambda layouts, bar: _price_all(pricer, layouts, schedule, tried, bar, priced)
     )
     if best is None:
         raise ValueError(
             "no layout fits: " + "; ".join(f"{k}: {v}" for k, v in list(tried.items())[:8])
         )
     step, peak, layout = best
-    return LayoutSearch(layout, step, peak, tried, time.perf_counter() - t0, pricer.templates)
+    priced.sort(key=operator.itemgetter(0))  # stable: ties in pricing order, `best` first
+    elapsed = time.perf_counter() - t0
+    return LayoutSearch(layout, step, peak, tried, elapsed, pricer.templates, priced)
 
 
 def price_degrees(degrees: list[list[Layout]], price: Callable) -> tuple | None:
@@ -251,12 +289,12 @@ def price_degrees(degrees: list[list[Layout]], price: Callable) -> tuple | None:
 
 
 def _price_all(
-    pricer: _Pricer, layouts, schedule, tried, bar: float = math.inf
+    pricer: _Pricer, layouts, schedule, tried, bar: float = math.inf, priced=None
 ) -> tuple[float, float, Layout] | None:
     """The fastest of one degree's layouts (most microbatches first: once one does not
     fit, larger microbatches will not either); a layout whose compute bound reaches `bar`
     cannot win and is not priced, nor are a pipeline's schedules once its ILP's stage work
-    reaches it (`inter_op.Dominated`)."""
+    reaches it (`inter_op.Dominated`). Each layout priced is appended to `priced`."""
     best = None
     for layout in layouts:
         beat = bar if best is None else min(bar, best[0])  # the best so far, this degree's too
@@ -288,6 +326,8 @@ def _price_all(
             continue
         tried[found[2].key] = found[0]
         candidate(found[2].key, found[0])
+        if priced is not None:
+            priced.append(found)
         if best is None or found[0] < best[0]:
             best = found
     return best

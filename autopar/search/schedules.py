@@ -285,3 +285,11 @@ def synced_end(end: float, done: list[float], syncs: list[float]) -> float:
         if seconds:
             channel = max(channel, ready) + seconds
     return max(end, channel)
+
+
+def default_microbatches(rows: int, pp: int) -> int:
+    """2*pp microbatches (a small bubble), or the largest divisor of the batch below it;
+    when that leaves a stage idle (a prime batch: 5 rows on 2 stages), min(rows, 2*pp)
+    uneven ones (`microbatch_rows`: 2, 1, 1, 1)."""
+    even = next(m for m in range(min(rows, 2 * pp), 0, -1) if rows % m == 0)
+    return even if even >= min(rows, pp) else min(rows, 2 * pp)
