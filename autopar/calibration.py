@@ -16,8 +16,10 @@ lasting ``_SUSTAIN_S``, timed per call, so that the rate is the one a rank susta
 the others compute too, where processes share cores):
 
 * matmul ``[n,n] @ [n,n]`` per dtype over sizes (a dtype stops growing once one matmul
-  takes over ``_SLOW_S``): ``peak_flops[dtype]`` = the best achieved
-  rate (so ``matmul_efficiency = 1``: the figures are achieved ones), and the per-kernel
+  takes over ``_SLOW_S``): ``peak_flops[dtype]`` = the rate achieved at the largest size
+  (so ``matmul_efficiency = 1``: the figures are achieved ones; not the best rate of all
+  sizes: where a smaller matmul runs from a CPU's cache it measured up to twice the rate
+  of the large ones a training step's layers run), and the per-kernel
   fixed time ``c`` of the fit ``t = f / peak + c`` gives ``matmul_half_flops = c * peak``
   (``autopar.cost_models.compute``: ``f / (peak * f / (f + h)) = (f + h) / peak``);
 * memory-bound ``y = x * 2`` over sizes: ``memory_bandwidth`` = the rate of read + write at
@@ -124,7 +126,7 @@ def cluster_from_measurements(
     m: dict[str, Any], mesh: tuple[int, ...], names: tuple[str, ...], backend: str
 ) -> Cluster:
     """The cluster the measurements describe (see the module docstring)."""
-    peaks = {k: max(r for _, _, r in rows) for k, rows in m["matmul"].items()}
+    peaks = {k: rows[-1][2] for k, rows in m["matmul"].items()}  # the largest size's rate
     fp32 = m["matmul"]["float32"]
     launch = m["launch_s"]
     fixed = [max(t - f / peaks["float32"] - launch, 0.0) for f, t, _ in fp32]
