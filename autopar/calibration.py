@@ -54,7 +54,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.cluster import Cluster, DeviceSpec, Fabric, Link
-from autopar.cost_models.comm import Collective, ring_factors, volume_kind
+from autopar.cost_models.comm import Collective, algorithm_factors
 from autopar.devices import choose_backend, free_port, init_rank, process_group_device
 
 __all__ = ["SIZES", "calibrate", "write_calibration"]
@@ -150,31 +150,43 @@ def cluster_from_measurements(
 
 
 def _fit_link(rows: list[list[Any]], n: int, backend: str) -> Link:
-    """Least squares (of relative errors) of ``t = steps * alpha + volume * B * x``
-    (``x = 1 / beta``), both >= 0, with each collective's factors as the cost model prices
-    it on ``backend``."""
-    points = []
+    """The link whose prices of the measured calls are closest in ratio: least squares of
+    log(priced / measured) over latency ``alpha`` and ``x = 1 / beta``, each collective
+    priced as the cost model prices one call of it on ``backend`` (its algorithms' steps
+    plus one launch, `comm.algorithm_factors`; the cheapest algorithm), a point-to-point
+    as `comm.send_recv_time`. Ratios, so that small messages weigh as much as large ones
+    and a latency-bound backend (gloo on a CPU: ~1 ms a step, under load) is not fit as a
+    bandwidth-bound one. A grid over 8 decades of each, refined around its best three
+    times (to 0.01%)."""
+    terms = []  # per row: (latency coefficient, byte coefficient) per algorithm
     for kind, nbytes, seconds in rows:
+        if seconds <= 0:
+            continue
         if kind == "p2p":
-            points.append((1.0, float(nbytes), seconds))
+            terms.append(([(1.0, float(nbytes))], seconds))
         elif n > 1:
-            steps, volume = ring_factors(volume_kind(Collective(kind), backend), n)
-            points.append((steps, volume * nbytes, seconds))
-    if not points:  # a size-1 axis moves nothing: any link prices it at 0
+            algos = algorithm_factors(Collective(kind), n, backend)
+            terms.append(([(s + 1.0, v * nbytes) for s, v in algos], seconds))
+    if not terms:  # a size-1 axis moves nothing: any link prices it at 0
         return Link(1e12, 0.0)
-    # relative errors: each row divided by its time, so small messages weigh as much as large
-    points = [(a / t, b / t, 1.0) for a, b, t in points if t > 0]
-    saa = sum(a * a for a, _, _ in points)
-    sab = sum(a * b for a, b, _ in points)
-    sbb = sum(b * b for _, b, _ in points)
-    sat = sum(a * t for a, _, t in points)
-    sbt = sum(b * t for _, b, t in points)
-    det = saa * sbb - sab * sab
-    alpha, x = (sat * sbb - sab * sbt) / det, (saa * sbt - sab * sat) / det
-    if alpha < 0 or x <= 0:  # clip to the best one-parameter fits
-        alpha = max(0.0, (sat - sab * max(x, 0.0)) / saa) if x > 0 else 0.0
-        x = max((sbt - sab * alpha) / sbb, 1e-15)
-    return Link(1.0 / x, alpha)
+    width = max(len(a) for a, _ in terms)
+    pad = [a + [a[0]] * (width - len(a)) for a, _ in terms]
+    lat = torch.tensor([[c for c, _ in a] for a in pad], dtype=torch.float64)
+    vol = torch.tensor([[b for _, b in a] for a in pad], dtype=torch.float64)
+    log_t = torch.tensor([t for _, t in terms], dtype=torch.float64).log()
+    log_a, log_x = -8.0, -14.0  # the grid's corner: alpha 10 ns, beta 100 TB/s
+    offsets = torch.arange(161, dtype=torch.float64) * 0.05  # 8 decades
+    for _ in range(4):
+        grid_a, grid_x = log_a + offsets, log_x + offsets
+        alpha = (10.0**grid_a).view(-1, 1, 1, 1)
+        x = (10.0**grid_x).view(1, -1, 1, 1)
+        priced = (lat * alpha + vol * x).amin(dim=-1)  # [alpha, x, row]: the cheapest
+        loss = ((priced.log() - log_t) ** 2).sum(dim=-1)
+        i, j = divmod(int(loss.argmin()), loss.shape[1])
+        log_a, log_x = float(grid_a[i]), float(grid_x[j])
+        step = float(offsets[1] - offsets[0])
+        offsets = torch.linspace(-2 * step, 2 * step, 41, dtype=torch.float64)
+    return Link(10.0**-log_x, 10.0**log_a)
 
 
 # ------------------------------------------------------------------------------ workers

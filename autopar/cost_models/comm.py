@@ -129,13 +129,21 @@ def collective_time(
     if n == 1 or nbytes <= 0 or kind is Collective.LOCAL:
         return 0.0
     link = cluster.link(axis)
-    steps, volume = ring_factors(volume_kind(kind, cluster.backend), n)
     beta = link.bus_bandwidth
-    ring = steps * link.latency + volume * float(nbytes) / beta
+    return min(
+        steps * link.latency + volume * float(nbytes) / beta
+        for steps, volume in algorithm_factors(kind, n, cluster.backend)
+    )
+
+
+def algorithm_factors(kind: Collective, n: int, backend: str) -> tuple[tuple[float, float], ...]:
+    """(latency steps, volume factor on B) of each algorithm `collective_time` prices
+    ``kind`` with over ``n`` ranks (it takes the cheapest): the ring/pairwise one, and for
+    an all-reduce a tree too."""
+    ring = ring_factors(volume_kind(kind, backend), n)
     if kind is not Collective.ALL_REDUCE:
-        return ring
-    tree = 2.0 * math.ceil(math.log2(n)) * link.latency + 2.0 * float(nbytes) / beta
-    return min(ring, tree)
+        return (ring,)
+    return ring, (2.0 * math.ceil(math.log2(n)), 2.0)
 
 
 def send_recv_time(nbytes: float, link: Link) -> float:
