@@ -1,7 +1,7 @@
 """Predicted step time next to measured, per plan, with a calibrated cluster file.
 
     python benchmarks/bench_costmodel.py [--cluster build/cluster.json] [--calibrate]
-                                         [--samples gpt:small:16,llama:tiny:16,mlp:large:64]
+                                         [--samples gpt:small:16,llama:small:16,mlp:medium:256]
                                          [--plans dp,fsdp,...] [--warmup 2] [--steps 4]
                                          [--csv build/bench_costmodel.csv]
 
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cluster", default="build/cluster.json")
     parser.add_argument("--calibrate", action="store_true", help="measure the cluster first")
-    parser.add_argument("--samples", default="gpt:small:16,llama:tiny:16,mlp:large:64")
+    parser.add_argument("--samples", default="gpt:small:16,llama:small:16,mlp:medium:256")
     parser.add_argument("--plans", default=",".join(PLANS))
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)

@@ -75,6 +75,8 @@ _LLAMA3_VOCAB = 128256
 LLAMA_CONFIGS: dict[str, LlamaConfig] = {
     "tiny": LlamaConfig(128, 16, 2, 32, 4, 2, 64),
     "tiny4": LlamaConfig(128, 16, 4, 32, 4, 2, 64),
+    # GPT small's size (~0.1-0.5 s a step on CPU processes: benchmarks/bench_costmodel.py)
+    "small": LlamaConfig(512, 128, 4, 256, 4, 2, 704),
     "llama3-8b": LlamaConfig(_LLAMA3_VOCAB, 8192, 32, 4096, 32, 8, 14336),
     "llama3-70b": LlamaConfig(_LLAMA3_VOCAB, 8192, 80, 8192, 64, 8, 28672),
 }

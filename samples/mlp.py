@@ -47,6 +47,8 @@ class MLPConfig:
 
 MLP_CONFIGS: dict[str, MLPConfig] = {
     "tiny": MLPConfig(in_dim=32, hidden_dim=64, out_dim=32, n_hidden_layers=2),
+    # ~10M parameters (~0.1-0.5 s a step on CPU processes: benchmarks/bench_costmodel.py)
+    "medium": MLPConfig(in_dim=512, hidden_dim=2048, out_dim=512, n_hidden_layers=3),
     # ~218M parameters: 1024 -> 8192 -> 8192 -> 8192 -> 8192 -> 1024
     "large": MLPConfig(in_dim=1024, hidden_dim=8192, out_dim=1024, n_hidden_layers=4),
 }
