@@ -65,7 +65,7 @@ SIZES: dict[str, dict[str, Any]] = {
     "quick": {
         "matmul": (64, 128, 256, 512),
         "memory": (2**16, 2**18, 2**20, 2**22),
-        "comm": (2**10, 2**14, 2**18, 2**21),
+        "comm": (2**10, 2**14, 2**18, 2**21, 2**24),  # up to 16 MiB: the bandwidth shows
         "reps": 3,
     },
     "gpu": {
@@ -151,22 +151,26 @@ def cluster_from_measurements(
 
 def _fit_link(rows: list[list[Any]], n: int, backend: str) -> Link:
     """The link whose prices of the measured calls are closest in ratio: least squares of
-    log(priced / measured) over latency ``alpha`` and ``x = 1 / beta``, each collective
-    priced as the cost model prices one call of it on ``backend`` (its algorithms' steps
-    plus one launch, `comm.algorithm_factors`; the cheapest algorithm), a point-to-point
-    as `comm.send_recv_time`. Ratios, so that small messages weigh as much as large ones
-    and a latency-bound backend (gloo on a CPU: ~1 ms a step, under load) is not fit as a
-    bandwidth-bound one. A grid over 8 decades of each, refined around its best three
-    times (to 0.01%)."""
-    terms = []  # per row: (latency coefficient, byte coefficient) per algorithm
+    log(priced / measured) over latency ``alpha``, ``x = 1 / beta`` and each kind's
+    bandwidth fraction (`Link.kind_efficiency`), each collective priced as the cost model
+    prices one call of it on ``backend`` (its algorithms' steps plus one launch,
+    `comm.algorithm_factors`; the cheapest algorithm), a point-to-point as
+    `comm.send_recv_time`. Ratios, so that small messages weigh as much as large ones and
+    a latency-bound backend (gloo on a CPU: ~1 ms a step) is not fit as a bandwidth-bound
+    one. (alpha, x) and the fractions are fit in turn, twice, on grids (`_grid_min`); the
+    fastest kind's fraction is 1 (it defines ``beta``)."""
+    terms, kinds = [], []  # per row: (latency coefficient, byte coefficient) per algorithm
     for kind, nbytes, seconds in rows:
-        if seconds <= 0:
+        if seconds <= 0 or (kind != "p2p" and n == 1):
             continue
         if kind == "p2p":
-            terms.append(([(1.0, float(nbytes))], seconds))
-        elif n > 1:
-            algos = algorithm_factors(Collective(kind), n, backend)
-            terms.append(([(s + 1.0, v * nbytes) for s, v in algos], seconds))
+            algos = [(1.0, float(nbytes))]
+        else:
+            algos = [
+                (s + 1.0, v * nbytes) for s, v in algorithm_factors(Collective(kind), n, backend)
+            ]
+        terms.append((algos, seconds))
+        kinds.append(kind)
     if not terms:  # a size-1 axis moves nothing: any link prices it at 0
         return Link(1e12, 0.0)
     width = max(len(a) for a, _ in terms)
@@ -174,19 +178,56 @@ def _fit_link(rows: list[list[Any]], n: int, backend: str) -> Link:
     lat = torch.tensor([[c for c, _ in a] for a in pad], dtype=torch.float64)
     vol = torch.tensor([[b for _, b in a] for a in pad], dtype=torch.float64)
     log_t = torch.tensor([t for _, t in terms], dtype=torch.float64).log()
-    log_a, log_x = -8.0, -14.0  # the grid's corner: alpha 10 ns, beta 100 TB/s
-    offsets = torch.arange(161, dtype=torch.float64) * 0.05  # 8 decades
+    names = sorted(set(kinds))
+    of = torch.tensor([names.index(k) for k in kinds])
+    slow = torch.zeros(len(names), dtype=torch.float64)  # log10 of 1 / fraction, per kind
+
+    def loss(rows, log_a, log_x, log_slow):  # grid tensors -> summed squared log ratios
+        a, x = (10.0 ** t[..., None, None] for t in (log_a, log_x))
+        priced = (lat[rows] * a + vol[rows] * x * 10.0 ** log_slow[..., None]).amin(dim=-1)
+        return ((priced.log() - log_t[rows]) ** 2).sum(dim=-1)
+
+    log_a, log_x = -8.0, -14.0  # alpha from 10 ns, beta up to 100 TB/s
+    every = torch.ones(len(terms), dtype=torch.bool)
+    for _ in range(2):
+        rows_slow = slow[of]
+        log_a, log_x = _grid_min(lambda a, x, s=rows_slow: loss(every, a, x, s), (log_a, log_x))
+        fixed = torch.tensor(log_a), torch.tensor(log_x)
+        for k in range(len(names)):
+            mine = of == k
+            count = int(mine.sum())
+
+            def kind_loss(g, m=mine, c=count, fixed=fixed):
+                return loss(m, *fixed, g[..., None].expand(*g.shape, c))
+
+            slow[k] = _grid_min(kind_loss, (float(slow[k]) - 3.0,), decades=6.0)[0]
+        fastest = float(slow.min())
+        slow -= fastest
+        log_x += fastest
+    fraction = {k: 10.0 ** -float(slow[i]) for i, k in enumerate(names)}
+    if {"all_reduce", "reduce_scatter", "all_gather"} <= fraction.keys():
+        # never priced above a reduce-scatter and an all-gather of its bytes (what it could
+        # run instead): its fraction at least their harmonic mean
+        pair = 2.0 / (1.0 / fraction["reduce_scatter"] + 1.0 / fraction["all_gather"])
+        fraction["all_reduce"] = max(fraction["all_reduce"], pair)
+    kinds = tuple((k, f) for k, f in fraction.items() if f < 1.0 - 1e-4)
+    return Link(10.0**-log_x, 10.0**log_a, kind_efficiency=kinds)
+
+
+def _grid_min(loss: Callable[..., torch.Tensor], lows: tuple[float, ...], decades: float = 8.0):
+    """The point (one log10 value per dimension) minimizing ``loss`` (a tensor of losses
+    over a meshgrid of the dimensions' values): a grid of 161 points per dimension over
+    ``decades`` from ``lows``, refined three times around its best (to ~1e-5 decades)."""
+    offsets = torch.linspace(0.0, decades, 161, dtype=torch.float64)
+    best = list(lows)
     for _ in range(4):
-        grid_a, grid_x = log_a + offsets, log_x + offsets
-        alpha = (10.0**grid_a).view(-1, 1, 1, 1)
-        x = (10.0**grid_x).view(1, -1, 1, 1)
-        priced = (lat * alpha + vol * x).amin(dim=-1)  # [alpha, x, row]: the cheapest
-        loss = ((priced.log() - log_t) ** 2).sum(dim=-1)
-        i, j = divmod(int(loss.argmin()), loss.shape[1])
-        log_a, log_x = float(grid_a[i]), float(grid_x[j])
+        axes = [b + offsets for b in best]
+        values = loss(*torch.meshgrid(*axes, indexing="ij"))
+        index = torch.unravel_index(values.argmin(), values.shape)
+        best = [float(ax[i]) for ax, i in zip(axes, index, strict=True)]
         step = float(offsets[1] - offsets[0])
         offsets = torch.linspace(-2 * step, 2 * step, 41, dtype=torch.float64)
-    return Link(10.0**-log_x, 10.0**log_a)
+    return tuple(best)
 
 
 # ------------------------------------------------------------------------------ workers

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -138,11 +138,15 @@ class DeviceSpec:
 class Link:
     """Alpha-beta link of one mesh axis: per-device bus ``bandwidth`` (bytes/s, line rate),
     ``latency`` (s per algorithm step) and ``efficiency``, the fraction of the line rate a
-    collective's bus bandwidth reaches on large messages (nccl-tests' busbw / line rate)."""
+    collective's bus bandwidth reaches on large messages (nccl-tests' busbw / line rate).
+    ``kind_efficiency``: (collective kind or "p2p", fraction) for the kinds whose bytes move
+    slower than that on this backend (`autopar calibrate` fits them: gloo's all-gather on a
+    CPU runs at a fraction of its all-reduce's bus bandwidth); the others at 1."""
 
     bandwidth: float
     latency: float
     efficiency: float = 1.0
+    kind_efficiency: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bandwidth", _positive(self.bandwidth, "Link.bandwidth"))
@@ -151,21 +155,42 @@ class Link:
         if not (latency >= 0 and math.isfinite(latency)):
             raise ValueError(f"Link.latency must be a finite number >= 0, got {latency!r}")
         object.__setattr__(self, "latency", latency)
+        kinds = tuple(
+            (str(k), _fraction(v, f"Link.kind_efficiency[{k!r}]"))
+            for k, v in sorted(dict(self.kind_efficiency).items())
+        )
+        object.__setattr__(self, "kind_efficiency", kinds)
 
     @property
     def bus_bandwidth(self) -> float:
         """Bytes/s a collective's bus moves on large messages: ``bandwidth * efficiency``."""
         return self.bandwidth * self.efficiency
 
-    def to_dict(self) -> dict[str, float]:
-        return {"bandwidth": self.bandwidth, "latency": self.latency, "efficiency": self.efficiency}
+    def kind_bandwidth(self, kind: str) -> float:
+        """Bytes/s the bus of collective ``kind`` (or "p2p") moves on large messages."""
+        for k, fraction in self.kind_efficiency:
+            if k == kind:
+                return self.bus_bandwidth * fraction
+        return self.bus_bandwidth
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "bandwidth": self.bandwidth,
+            "latency": self.latency,
+            "efficiency": self.efficiency,
+        }
+        if self.kind_efficiency:
+            out["kind_efficiency"] = dict(self.kind_efficiency)
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Link:
-        return cls(data["bandwidth"], data["latency"], data.get("efficiency", 1.0))
+        kinds = tuple(dict(data.get("kind_efficiency", {})).items())
+        return cls(data["bandwidth"], data["latency"], data.get("efficiency", 1.0), kinds)
 
     def __str__(self) -> str:
-        return f"{self.bus_bandwidth / 1e9:.4g} GB/s {self.latency * 1e6:.3g} us"
+        kinds = "".join(f" {k} x{v:.2g}" for k, v in self.kind_efficiency)
+        return f"{self.bus_bandwidth / 1e9:.4g} GB/s {self.latency * 1e6:.3g} us{kinds}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,9 +212,10 @@ class Fabric:
             nic = self.nic_bandwidth_per_node / concurrent
             latency = max(self.inter_latency, self.intra.latency)
             if nic < self.intra.bandwidth:
-                links.append(Link(nic, latency, self.inter_efficiency))
+                kinds = self.intra.kind_efficiency
+                links.append(Link(nic, latency, self.inter_efficiency, kinds))
             else:
-                links.append(Link(self.intra.bandwidth, latency, self.intra.efficiency))
+                links.append(replace(self.intra, latency=latency))
         return tuple(links)
 
     def to_dict(self) -> dict[str, Any]:

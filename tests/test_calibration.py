@@ -33,11 +33,16 @@ def _synthetic(link: Link, n: int) -> list[list]:
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_fit_recovers_the_link(n: int) -> None:
-    truth = Link(3e9, 40e-6)
+@pytest.mark.parametrize("kinds", [(), (("all_gather", 0.25), ("reduce_scatter", 0.1))])
+def test_fit_recovers_the_link(n: int, kinds: tuple) -> None:
+    truth = Link(3e9, 40e-6, kind_efficiency=kinds)
     fitted = _fit_link(_synthetic(truth, n), n, "gloo")
     assert fitted.bandwidth == pytest.approx(truth.bandwidth, rel=1e-3)
     assert fitted.latency == pytest.approx(truth.latency, rel=1e-3)
+    assert [k for k, _ in fitted.kind_efficiency] == [k for k, _ in kinds]
+    for (_, got), (_, want) in zip(fitted.kind_efficiency, kinds, strict=True):
+        assert got == pytest.approx(want, rel=1e-3)
+    assert Link.from_dict(fitted.to_dict()) == fitted
 
 
 def test_cluster_from_measurements_takes_the_largest_sizes_rates() -> None:

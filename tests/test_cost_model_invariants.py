@@ -46,6 +46,11 @@ def _clusters() -> list[Cluster]:
     fabric = Fabric(Link(2e11, 3e-6, 0.7), 8e10, 2e-5, 0.85)
     links = fabric.axis_links((4, 2, 2), 4)
     out.append(Cluster(CUSTOM, (4, 2, 2), ("a", "b", "c"), links, "nccl", 4, fabric))
+    # as `autopar calibrate` fits gloo on a CPU: each kind's bytes at its own fraction
+    kinds = (("all_gather", 0.1), ("all_reduce", 0.58), ("reduce_scatter", 0.06))
+    cpu = Cluster.preset("cpu", mesh=(2, 4))
+    slow = Link(3.6e9, 1e-3, kind_efficiency=kinds)
+    out.append(replace(cpu, device=replace(cpu.device, name="calibrated"), links=(slow, slow)))
     return out
 
 
@@ -106,6 +111,8 @@ def test_efficiency_in_unit_interval(cluster: Cluster) -> None:
     for link in (*cluster.links, *((cluster.fabric.intra,) if cluster.fabric else ())):
         assert 0 < link.efficiency <= 1
         assert link.bus_bandwidth <= link.bandwidth
+        assert all(0 < f <= 1 for _, f in link.kind_efficiency)
+        assert all(link.kind_bandwidth(k.value) <= link.bus_bandwidth for k in KINDS)
     for op, f in itertools.product(compute.OP_CLASSES, FLOPS):
         assert 0 < compute.compute_efficiency(f, op, cluster) <= 1
     # the size curve never decreases with the kernel's size

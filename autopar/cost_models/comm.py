@@ -129,7 +129,7 @@ def collective_time(
     if n == 1 or nbytes <= 0 or kind is Collective.LOCAL:
         return 0.0
     link = cluster.link(axis)
-    beta = link.bus_bandwidth
+    beta = link.kind_bandwidth(kind.value)
     return min(
         steps * link.latency + volume * float(nbytes) / beta
         for steps, volume in algorithm_factors(kind, n, cluster.backend)
@@ -150,7 +150,7 @@ def send_recv_time(nbytes: float, link: Link) -> float:
     """Seconds for one point-to-point transfer of ``nbytes`` over ``link`` (0 bytes: free)."""
     if nbytes <= 0:
         return 0.0
-    return link.latency + float(nbytes) / link.bus_bandwidth
+    return link.latency + float(nbytes) / link.kind_bandwidth("p2p")
 
 
 def exposed(seconds: float, cluster: Cluster) -> float:
