@@ -508,8 +508,8 @@ def _explain_memory(exc: MemoryInfeasible, cluster: Cluster, limit: float) -> Me
         exc.min_memory,
         limit,
         (
-            f"no plan fits in {limit / gib:.1f} GiB per device on {cluster}: even the most sharded "
-            f"plan needs {exc.min_memory / gib:.1f} GiB per device. Use at least {devices} devices "
+            f"no plan fits in {limit / gib:.3g} GiB per device on {cluster}: even the most sharded "
+            f"plan needs {exc.min_memory / gib:.3g} GiB per device. Use at least {devices} devices "
             f"(e.g. Cluster.preset(..., nodes={nodes})), a smaller batch, or memory_limit= if the "
             "device has more memory."
         ),
