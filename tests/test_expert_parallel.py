@@ -63,7 +63,9 @@ def _plan(name: str, layers: int, rows: int, cluster: Cluster, strategy="auto"):
 def test_search_chooses_ep_for_8_experts_on_a_node() -> None:
     plan = _plan("mixtral-8x7b", 2, 8, Cluster.preset("dgx-h100", nodes=1))
     text = summary(plan)
-    assert axis_roles(plan) == ["dp+ep"], text
+    # the other weights replicated or FSDP-sharded: at 8 rows the optimizer's update of
+    # the replicated attention and embedding weights weighs about as much as their gathers
+    assert axis_roles(plan) in (["dp+ep"], ["fsdp+ep"]), text
     assert "EP expert weights 6/6" in text and "all_to_all" in text, text
 
 

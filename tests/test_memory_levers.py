@@ -28,6 +28,7 @@ from samples.gpt import GPT, GPTConfig, example_batch
 ROLES = ("dp", "fsdp", "tp")
 POLICIES = ("none", "selective", "full")
 REL = 1e-6  # the ILP's relative gap is 1e-7
+CANDIDATES_REL = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -146,18 +147,21 @@ def test_auto_never_loses_to_a_pinned_lever(setting) -> None:
             for p in forced.values()
             if limit is None or p.predicted_peak_memory <= limit
         ]
-        assert auto.predicted_step_time <= min(fits) * (1 + REL)
+        # the search ranks a few ILP optima by the overlapped step (`search.intra_op`): a
+        # candidate set, not the overlapped step's optimum, so within 0.1% of every pin
+        assert auto.predicted_step_time <= min(fits) * (1 + CANDIDATES_REL)
     none = plan(activation_checkpointing="none", reshard_after_forward=False)
     assert plan().predicted_step_time == none.predicted_step_time  # ample memory: no lever
 
 
 def _per_node(result) -> tuple[float, float]:
-    """The step time and memory summed node by node (what the pipeline search reads),
-    plus the one-layer working sets the ILP adds: recomputed outputs, regathered weights."""
+    """The step time and memory summed node by node (what the pipeline search reads) with
+    the optimizer's update once per step, plus the one-layer working sets the ILP adds:
+    recomputed outputs, regathered weights."""
     from autopar.capture.export import layer_of
     from autopar.search.levers import gathered_bytes
 
-    time = sum(result.node_time(n) for n in result.chosen)
+    time = sum(result.node_time(n) for n in result.chosen) + result.update_time()
     memory = sum(result.node_memory(n) + result.held_weights(n) for n in result.chosen)
     canonical = result.levers.canonical
     for n, s in result.chosen.items():

@@ -97,12 +97,14 @@ def test_every_getitem_reads_its_producers_output(
 
 
 def _objective_of(captured: Captured, cluster: Cluster, strategy) -> tuple[float, float]:
-    """The ILP's objective, and every node's cost plus every operand's redistribution from
-    its producer's chosen output, priced independently of the ILP's edges."""
+    """The ILP's objective, and every node's cost (a parameter's: the optimizer's update,
+    once per step) plus every operand's redistribution from its producer's chosen output,
+    priced independently of the ILP's edges."""
     with _fake_mesh(cluster) as mesh:
         result = solve_intra(captured, cluster, mesh, SearchOptions(strategy=strategy))
     ctx, chosen = result.ctx, result.chosen
     total = sum(ctx.weights.of(n) * ctx.node_cost(n, s) for n, s in chosen.items())
+    total += result.update_time()
     for n, s in chosen.items():
         for pos, op in tensor_operands(n):
             src = op.select(chosen[op.producer].outputs)

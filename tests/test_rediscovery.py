@@ -1,7 +1,11 @@
 """The search rediscovers the plans practitioners write by hand (planning only: fake process
 group, meta-device models, real cluster presets).
 
-- DP when memory is ample and the model small: GPT-2 124M on one DGX-H100 node.
+- Data parallelism when memory is ample and the model small: GPT-2 124M on one DGX-H100
+  node, the batch split over every device, no TP, no memory lever; its parameters
+  replicated (DDP) or FSDP-sharded: with the optimizer's update priced (~1.3 ms a step for
+  124M replicated fp32 parameters), sharding the states saves about what the prefetched
+  gathers cost, the two within 2%.
 - ZeRO/FSDP when parameters + gradients + Adam state exceed a device: GPT-2 1.5B
   (1.56e9 params x 16 B = 25 GB) on 16 GB V100s (p3.16xlarge).
 - Megatron column->row pairing on the fast intra-node axis for a large hidden size:
@@ -29,16 +33,20 @@ def _meta_sample(name: str, config: str, batch: int):
     return model, sample.example_batch(model, batch, device="meta")
 
 
-def test_small_model_ample_memory_gives_dp() -> None:
+def test_small_model_ample_memory_gives_data_parallelism() -> None:
     model, batch = _meta_sample("gpt", "gpt2-124m", 16)
     # the intra-op search on the machine's own mesh (no layout search: pipeline_stages=1)
     plan = autopar.plan(
         model, batch, cluster=Cluster.preset("dgx-h100", nodes=1), pipeline_stages=1
     )
-    assert axis_roles(plan) == ["dp"]
+    text = summary(plan)
+    assert axis_roles(plan) in (["dp"], ["fsdp"]), text
+    assert not plan.memory.recompute and not plan.memory.reshard_after_forward, text
     params = [t for t in plan.tensors if t.kind == "param"]
-    replicated = sum(t.spec == "R" for t in params)
-    assert replicated >= len(params) - 1, summary(plan)  # the tied embedding may be sharded
+    if axis_roles(plan) == ["dp"]:  # the tied embedding may be sharded
+        assert sum(t.spec == "R" for t in params) >= len(params) - 1, text
+    inputs = [t for t in plan.tensors if t.kind == "input"]
+    assert all(t.spec == "S(0)" for t in inputs), text  # the batch split over all 8
 
 
 def test_states_exceeding_a_device_give_fsdp() -> None:

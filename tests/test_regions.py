@@ -75,7 +75,9 @@ def test_search_splits_the_experts_of_a_dropless_moe_on_a_node() -> None:
     cluster = Cluster.preset("dgx-h100", nodes=1)
     plan = autopar.plan(model, batch, cluster=cluster, pipeline_stages=1)
     text = summary(plan)
-    assert axis_roles(plan) == ["dp+ep"], text
+    # the other weights replicated or FSDP-sharded (at 8 rows the optimizer's update of
+    # the replicated ones weighs about as much as their gathers)
+    assert axis_roles(plan) in (["dp+ep"], ["fsdp+ep"]), text
     # per rank and step: 2 regions x (dispatch + combine) of 1/8 of 8 x 4096 tokens x 2
     # choices x 4096 dims in fp32
     per_region = 2 * 8 * 4096 * 2 * 4096 * 4 / 8

@@ -60,7 +60,7 @@ from torch.distributed.tensor import Partial, Replicate
 from autopar.capture.export import layer_of
 from autopar.capture.operands import Operand, tensor_operands
 from autopar.cluster import Cluster
-from autopar.cost_models import comm, compute, memory
+from autopar.cost_models import comm, compute, memory, optimizer
 from autopar.cost_models.ring import ring_attention_time, ring_forward_time
 from autopar.passes.strategies import NodeStrategy, Spec
 from autopar.passes.strategies.rules import attention, random_ops, regions
@@ -283,6 +283,17 @@ class CostContext:
             if isinstance(v, torch.Tensor) and spec is not None:
                 total += memory.activation_bytes(v.shape, v.element_size(), spec, self.mesh_shape)
         return total
+
+    def update_time(self, n: fx.Node, s: NodeStrategy) -> float:
+        """The optimizer's update of parameter `n` placed as `s`, once per step, seconds
+        (`cost_models.optimizer`); 0 for anything but a trained parameter."""
+        val, spec = n.meta.get("val"), (s.outputs or (None,))[0]
+        if n.op != "placeholder" or not is_param(n) or spec is None:
+            return 0.0
+        mesh, states, zero = self.mesh_shape, self.optimizer_states, self.shard_optimizer
+        return optimizer.update_time(
+            val.shape, val.dtype, spec, mesh, self.cluster, states, zero, self.mixed_precision
+        )
 
     def is_weight(self, n: fx.Node) -> bool:
         """A parameter or a value computed from parameters only (a transposed or cast

@@ -123,6 +123,23 @@ class MemoryInfeasible(ValueError):
     def __reduce__(self) -> tuple[type, tuple[float, float, str]]:  # picklable across processes
         return type(self), (self.min_memory, self.memory_limit, str(self))
 
+    def explained(self, cluster, limit: float) -> MemoryInfeasible:
+        """This shortfall on `cluster` (a `Cluster`) named, with the smallest cluster that
+        would fit (states and activations shard at best linearly with the device count,
+        so this is a lower bound)."""
+        world = cluster.world_size
+        devices = math.ceil(world * self.min_memory / limit)
+        nodes = max(1, math.ceil(devices / (cluster.devices_per_node or world)))
+        gib = 2**30
+        return MemoryInfeasible(
+            self.min_memory,
+            limit,
+            f"no plan fits in {limit / gib:.3g} GiB per device on {cluster}: even the most "
+            f"sharded plan needs {self.min_memory / gib:.3g} GiB per device. Use at least "
+            f"{devices} devices (e.g. Cluster.preset(..., nodes={nodes})), a smaller batch, or "
+            "memory_limit= if the device has more memory.",
+        )
+
 
 @dataclass(slots=True)
 class _Model:

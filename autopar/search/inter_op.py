@@ -125,6 +125,7 @@ class PartCost:
     # action runs, seconds, and the bytes held from I to W, per microbatch
     wgrad: float = 0.0
     stash: float = 0.0
+    update: float = 0.0  # the optimizer's update of its parameters, once per step, seconds
     # what the stage program runs, for its time with the communication pass (`search.step`)
     program: tuple[Part, ...] = ()
 
@@ -135,6 +136,7 @@ class PartCost:
             grads=self.grads + other.grads,
             wgrad=self.wgrad + other.wgrad,
             stash=self.stash + other.stash,
+            update=self.update + other.update,
             program=self.program + other.program,
         )
 
@@ -193,9 +195,8 @@ def layer_costs(captured: Captured, result: IntraOpResult) -> LayerCosts:
         held = result.held_weights(n)  # gathered weights kept until backward: once per stage
         grads = tuple(g for pos, op in result.ctx.operands(n) for g in _grads(result, n, pos, op))
         w = weight_gradient_work(result.ctx, n, result.chosen[n])
-        cost = PartCost(
-            time, sync, (mem if state else 0.0) + held, 0.0 if state else mem, grads, *w
-        )
+        cost = PartCost(time, sync, (mem if state else 0.0) + held, 0.0 if state else mem,
+                        grads, *w, update=result.ctx.update_time(n, result.chosen[n]))  # fmt: skip
         layer = layer_of(n)
         if layer is not None:
             seen_layer = True
@@ -341,7 +342,8 @@ def price_schedule(
         mine = [stages[s] for s in own]
         peak.append(sum(p.state for p in mine) + max(p.act for p in mine) * tl.in_flight[r])
         syncs = [fused_time(grads[s], sub) for s in own]
-        finish.append(synced_end(tl.ends[r], [tl.grads_done[s] for s in own], syncs))
+        done = synced_end(tl.ends[r], [tl.grads_done[s] for s in own], syncs)
+        finish.append(done + sum(p.update for p in mine))  # then its optimizer step
     step = max(finish)
     return PricedSchedule(schedule, cuts, tl, max(peak), step, tuple(times), step - tl.step_time)
 

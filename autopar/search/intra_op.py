@@ -16,8 +16,9 @@ Building the ILP (`autopar.search.ilp` holds the formulation itself):
    same strategies) map onto the first such layer's decisions, so a 96-layer model solves
    like a one-layer one; their costs and memories add up on the shared decision.
 3. `price` — node cost = roofline time of forward + backward on the strategy's share of the
-   work; edge cost = forward redistribution producer-output -> consumer-input plus its
-   backward transpose (a Replicate input of a split computation receives a Partial
+   work (a parameter's: the optimizer's update of its local shard, once per step,
+   `cost_models.optimizer`); edge cost = forward redistribution producer-output ->
+   consumer-input plus its backward transpose (a Replicate input of a split computation receives a Partial
    gradient: that is where DP's all-reduce and FSDP's reduce-scatter are priced);
    memory = parameters + gradients + optimizer state of local shards, plus saved
    activations.
@@ -200,8 +201,9 @@ def price_scales(
         i = index[rep[d]]
         for n, mapping in item.members:
             for c, j in enumerate(mapping):
-                cost[i][c] += ctx.weights.of(n) * ctx.node_cost(n, strats[n][j])
-                mem[i][c] += ctx.weighted_memory(n, strats[n][j])
+                once = ctx.weights.sync * ctx.update_time(n, s := strats[n][j])  # optimizer
+                cost[i][c] += ctx.weights.of(n) * (ctx.node_cost(n, s) + once)
+                mem[i][c] += ctx.weighted_memory(n, s)
     node_cost = tuple(tuple(r) for r in cost)
     node_memory = tuple(tuple(r) for r in mem)
     terms = _edge_terms(dec, rep, index, strats, ctx)
@@ -276,6 +278,11 @@ class IntraOpResult:
             self.reshard.get(layer, False) or self.recompute.get(layer) == "full"
         )
 
+    def update_time(self) -> float:
+        """The optimizer step's seconds: every parameter's update, weighted as its layer."""
+        weight, update = self.ctx.weights.of, self.ctx.update_time
+        return sum(weight(n) * update(n, s) for n, s in self.chosen.items())
+
     def node_time(self, n: fx.Node) -> float:
         """Compute plus the resharding of its inputs (forward and backward), seconds."""
         return sum(self.node_times(n))
@@ -347,7 +354,7 @@ def solve_intra(
         outcomes = solve_all(built.problems)
     for k, (problem, solution) in enumerate(zip(built.problems, outcomes, strict=True)):
         if isinstance(solution, MemoryInfeasible):  # the same memory at every scale
-            raise _explain_memory(solution, cluster, problem.memory_limit) from None
+            raise solution.explained(cluster, problem.memory_limit) from None
         if isinstance(solution, SolverTimeout):
             if k == 0:
                 raise solution
@@ -493,24 +500,4 @@ def search_plan(
             recompute=result.memory_plan[0], reshard_after_forward=result.memory_plan[1]
         ),
         comm=result.comm,
-    )
-
-
-def _explain_memory(exc: MemoryInfeasible, cluster: Cluster, limit: float) -> MemoryInfeasible:
-    """Name the shortfall and the smallest cluster that would fit (states and activations
-    shard at best linearly with the device count, so this is a lower bound)."""
-    world = cluster.world_size
-    per_node = cluster.devices_per_node or world
-    devices = math.ceil(world * exc.min_memory / limit)
-    nodes = max(1, math.ceil(devices / per_node))
-    gib = 2**30
-    return MemoryInfeasible(
-        exc.min_memory,
-        limit,
-        (
-            f"no plan fits in {limit / gib:.3g} GiB per device on {cluster}: even the most sharded "
-            f"plan needs {exc.min_memory / gib:.3g} GiB per device. Use at least {devices} devices "
-            f"(e.g. Cluster.preset(..., nodes={nodes})), a smaller batch, or memory_limit= if the "
-            "device has more memory."
-        ),
     )

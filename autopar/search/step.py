@@ -20,7 +20,9 @@ graph is cut into parts in execution order (what precedes the first layer, each 
 
 go to `cost_models.buckets.overlapped_step` (gradient buckets on one serial channel behind
 the backward, gathers prefetched one layer ahead; `comm=None`, no pass: every collective
-waited at once, one per tensor, which is the ILP's objective). A template's layer standing
+waited at once, one per tensor, which is the ILP's objective), and then the optimizer's
+update of every parameter (`IntraOpResult.update_time`, in the objective too; a pipeline
+rank's after its last gradient sync, `inter_op.price_schedule`). A template's layer standing
 for `w` layers (`CostWeights.layer`) appears round(w) times, its times scaled by
 w / round(w). Without any collective the prediction equals the objective (same node
 prices); with collectives it never exceeds it (tests/test_cost_model_invariants.py).
@@ -102,9 +104,9 @@ def predicted_step_time(
     optimizer step the working parameters all-gathered, one flat buffer per mesh axis,
     waited (`runtime.optimizer.ParamGather`)."""
     parts, cluster = program_parts(captured, result), result.ctx.cluster
-    ratio = zero_gather_ratio(captured, result)
+    ratio, update = zero_gather_ratio(captured, result), result.update_time()
     if not ratio:
-        return overlapped_time(parts, cluster, comm)
+        return overlapped_time(parts, cluster, comm) + update
     gathers = []
     for p in parts:
         gathers += zero_gathers(p.grads, ratio * p.weight)
@@ -112,7 +114,7 @@ def predicted_step_time(
             (k, Collective.REDUCE_SCATTER if _is_all_reduce(kind) else kind, a, b)
             for k, kind, a, b in p.grads
         ]
-    return overlapped_time(parts, cluster, comm) + fused_time(gathers, cluster)
+    return overlapped_time(parts, cluster, comm) + update + fused_time(gathers, cluster)
 
 
 def zero_gather_ratio(captured: Captured, result: IntraOpResult) -> float:
