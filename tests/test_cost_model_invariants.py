@@ -8,7 +8,8 @@ under compute (``comm_overlap``) never makes it cost more. Bucketed gradient red
 (``cost_models.buckets``, as ``passes.comm`` runs them) never cost more than one collective per
 tensor (the ILP's price); what the step waits for never exceeds the
 communication, and more compute to hide it under never lengthens the step beyond that
-compute; an all-to-all on a CPU (gloo) group is priced as the all-gather DTensor runs. Pure
+compute; an all-to-all on a CPU (gloo) group is priced as the all-gather DTensor runs; the
+optimizer's update grows with what a device updates and shrinks with sharding. Pure
 functions (and one plan priced on a fake group): no processes.
 """
 
@@ -19,6 +20,7 @@ import math
 from dataclasses import replace
 
 import pytest
+import torch
 
 from autopar.cluster import PRESETS, Cluster, DeviceSpec, Fabric, Link
 from autopar.cost_models import buckets, comm, compute
@@ -284,3 +286,27 @@ def test_plan_prediction_prices_overlap_below_the_ilp() -> None:
                 assert full.step_time < full.objective
             for program in (DEFAULT_COMM, CommPlan(overlap=False), CommPlan(bucket=False)):
                 assert predicted_step_time(full_graph, full, program) <= full.objective * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS, ids=IDS)
+def test_optimizer_update_grows_with_what_a_device_updates(cluster: Cluster) -> None:
+    """The optimizer step's update (`cost_models.optimizer`): more elements never cost less;
+    a sharded parameter, or ZeRO's flat shard of a replicated one, never costs more than
+    the replicated update; more optimizer states never cost less; mixed precision (fp32
+    masters for a bf16 parameter) never less than the bf16 update alone."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from autopar.cost_models.optimizer import update_time
+
+    mesh = cluster.mesh_shape
+    rep, shard = (Replicate(),) * len(mesh), (Shard(0),) + (Replicate(),) * (len(mesh) - 1)
+    sizes = [(1,), (1024,), (4096, 1024), (16384, 4096)]
+    times = [update_time(s, torch.float32, rep, mesh, cluster) for s in sizes]
+    assert all(b >= a > 0 for a, b in itertools.pairwise(times))
+    for shape in sizes[1:]:
+        full = update_time(shape, torch.float32, rep, mesh, cluster)
+        assert update_time(shape, torch.float32, shard, mesh, cluster) <= full
+        assert update_time(shape, torch.float32, rep, mesh, cluster, 2, True) <= full
+        assert update_time(shape, torch.float32, rep, mesh, cluster, 0) <= full
+        bf16 = update_time(shape, torch.bfloat16, rep, mesh, cluster)
+        assert update_time(shape, torch.bfloat16, rep, mesh, cluster, 2, False, True) >= bf16
