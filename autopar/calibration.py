@@ -210,8 +210,8 @@ def _fit_link(rows: list[list[Any]], n: int, backend: str) -> Link:
         # run instead): its fraction at least their harmonic mean
         pair = 2.0 / (1.0 / fraction["reduce_scatter"] + 1.0 / fraction["all_gather"])
         fraction["all_reduce"] = max(fraction["all_reduce"], pair)
-    kinds = tuple((k, f) for k, f in fraction.items() if f < 1.0 - 1e-4)
-    return Link(10.0**-log_x, 10.0**log_a, kind_efficiency=kinds)
+    slower = tuple((k, f) for k, f in fraction.items() if f < 1.0 - 1e-4)
+    return Link(10.0**-log_x, 10.0**log_a, kind_efficiency=slower)
 
 
 def _grid_min(loss: Callable[..., torch.Tensor], lows: tuple[float, ...], decades: float = 8.0):

@@ -94,14 +94,23 @@ class Layout:
 
 @dataclass
 class LayoutSearch:
-    best: Layout
-    step_time: float
-    peak_memory: float
+    # every layout priced: (step seconds, peak bytes, layout), fastest first (`best`)
+    priced: list[tuple[float, float, Layout]]
     tried: dict[str, float | str] = field(default_factory=dict)  # key -> seconds or why not
     search_time_s: float = 0.0
     templates: dict[int, Template] = field(default_factory=dict)  # microbatch rows -> template
-    # every layout priced: (step seconds, peak bytes, layout), fastest first (`best` first)
-    priced: list[tuple[float, float, Layout]] = field(default_factory=list)
+
+    @property
+    def best(self) -> Layout:
+        return self.priced[0][2]
+
+    @property
+    def step_time(self) -> float:
+        return self.priced[0][0]
+
+    @property
+    def peak_memory(self) -> float:
+        return self.priced[0][1]
 
     def template_for(self, layout: Layout, rows: int) -> Template | None:
         """The template captured at `layout`'s microbatch shape (None if it cut nothing)."""
@@ -262,16 +271,14 @@ def _search_layout(
     priced: list[tuple[float, float, Layout]] = []
     degrees = [d for by_degree in candidates.values() for d in by_degree]
     best = price_degrees(
-        degrees, lambda layouts, bar: _price_all(pricer, layouts, schedule, tried, bar, priced)
+        degrees, lambda layouts, bar: _price_all(pricer, layouts, schedule, tried, priced, bar)
     )
     if best is None:
         raise ValueError(
             "no layout fits: " + "; ".join(f"{k}: {v}" for k, v in list(tried.items())[:8])
         )
-    step, peak, layout = best
     priced.sort(key=operator.itemgetter(0))  # stable: ties in pricing order, `best` first
-    elapsed = time.perf_counter() - t0
-    return LayoutSearch(layout, step, peak, tried, elapsed, pricer.templates, priced)
+    return LayoutSearch(priced, tried, time.perf_counter() - t0, pricer.templates)
 
 
 def price_degrees(degrees: list[list[Layout]], price: Callable) -> tuple | None:
@@ -289,7 +296,7 @@ def price_degrees(degrees: list[list[Layout]], price: Callable) -> tuple | None:
 
 
 def _price_all(
-    pricer: _Pricer, layouts, schedule, tried, bar: float = math.inf, priced=None
+    pricer: _Pricer, layouts, schedule, tried, priced: list, bar: float = math.inf
 ) -> tuple[float, float, Layout] | None:
     """The fastest of one degree's layouts (most microbatches first: once one does not
     fit, larger microbatches will not either); a layout whose compute bound reaches `bar`
@@ -326,8 +333,7 @@ def _price_all(
             continue
         tried[found[2].key] = found[0]
         candidate(found[2].key, found[0])
-        if priced is not None:
-            priced.append(found)
+        priced.append(found)
         if best is None or found[0] < best[0]:
             best = found
     return best
