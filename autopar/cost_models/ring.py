@@ -27,25 +27,28 @@ swaps' ``q + out + lse`` forward and ``2 q + 2 out + lse`` backward.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+
+import numpy as np
 
 from autopar.cluster import Link
 from autopar.cost_models.comm import send_recv_time
 from autopar.passes.strategies.rules.ring import HalfBytes, causal_step_work
 
 
-def _step_shares(n: int, halves: HalfBytes | None) -> tuple[tuple[float, ...], ...]:
-    """Per rank, the share of its kernel time it spends at each step."""
-    if halves is None:
-        return ((1.0 / n,) * n,)
-    return tuple(tuple(w / (n / 2) for w in steps) for steps in causal_step_work(n))
+@functools.lru_cache(maxsize=64)
+def _step_shares(n: int, causal: bool) -> np.ndarray:
+    """[rank][step]: the share of its kernel time a rank spends at each step."""
+    if not causal:
+        return np.full((1, n), 1.0 / n)
+    return np.asarray(causal_step_work(n), dtype=np.float64) / (n / 2)
 
 
-def _overlapped(kernel_s: float, shares: Sequence[float], pass_s: float, last_s: float) -> float:
-    """Steps whose kernels (``kernel_s`` spread by ``shares``) overlap ``pass_s`` of passes,
-    but the last, followed by ``last_s``."""
-    *steps, last = shares
-    return sum(max(kernel_s * w, pass_s) for w in steps) + kernel_s * last + last_s
+def _overlapped(kernel_s: float, shares: np.ndarray, pass_s: float, last_s: float) -> float:
+    """The slowest rank's steps, whose kernels (``kernel_s`` spread by ``shares``) overlap
+    ``pass_s`` of passes, but the last, followed by ``last_s``."""
+    steps = np.maximum(kernel_s * shares[:, :-1], pass_s).sum(axis=1)
+    return float((steps + kernel_s * shares[:, -1]).max()) + last_s
 
 
 def ring_forward_time(
@@ -56,7 +59,7 @@ def ring_forward_time(
     if n <= 1:
         return forward_s
     p = send_recv_time(kv_bytes, link)
-    ring = max(_overlapped(forward_s, w, p, 0.0) for w in _step_shares(n, halves))
+    ring = _overlapped(forward_s, _step_shares(n, halves is not None), p, 0.0)
     if halves is None:
         return ring
     swaps = send_recv_time(halves.q, link) + send_recv_time(halves.out + halves.lse, link)
@@ -78,7 +81,7 @@ def ring_attention_time(
     forward_s = compute_s / (1.0 + backward_factor)
     backward_s = compute_s - forward_s
     p = send_recv_time(kv_bytes, link)
-    backward = max(_overlapped(backward_s, w, 2.0 * p, p) for w in _step_shares(n, halves))
+    backward = _overlapped(backward_s, _step_shares(n, halves is not None), 2.0 * p, p)
     if halves is not None:
         swapped = halves.q + 2.0 * halves.out + halves.lse
         backward += send_recv_time(swapped, link) + send_recv_time(halves.q, link)

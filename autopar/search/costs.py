@@ -47,11 +47,9 @@ reduce-scatter runs per microbatch). The raw per-node figures stay unweighted.
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import torch
 import torch.fx as fx
@@ -61,6 +59,7 @@ from autopar.capture.export import layer_of
 from autopar.capture.operands import Operand, tensor_operands
 from autopar.cluster import Cluster
 from autopar.cost_models import comm, compute, memory, optimizer
+from autopar.cost_models.reshard import reshard_parts, reshard_seconds, same_spec
 from autopar.cost_models.ring import ring_attention_time, ring_forward_time
 from autopar.passes.strategies import NodeStrategy, Spec
 from autopar.passes.strategies.rules import attention, random_ops, regions
@@ -154,8 +153,11 @@ class CostContext:
         self._inputs: dict[fx.Node, list[tuple[int, Operand]]] = {}
         self._flops: dict[fx.Node, tuple[float, float, str]] = {}
         self._forward_work: dict[fx.Node, tuple[float, float]] = {}
-        self._parts: dict[tuple, tuple[float, float]] = {}  # `edge_parts` memo
+        self._parts: dict[tuple, tuple[float, float]] = {}  # `edge_parts` memo, by id
         self._alive: dict[int, object] = {}  # the objects `_parts` keys by id
+        self._priced: dict[tuple, tuple[float, float]] = {}  # `edge_parts` by content
+        self._specs: dict[int, int] = {}  # id of a spec -> its number in `_numbers`
+        self._numbers: dict[tuple, int] = {}  # spec (placements) -> a number
         self._redistributed: dict[tuple, float] = {}  # `_redistribute` memo
         self._matrices: dict[tuple, list[list[tuple[float, float]]]] = {}
         self._grad_specs: dict[tuple[int, int], tuple] = {}
@@ -382,9 +384,25 @@ class CostContext:
         # its id, so no id is reused while the memo lives
         key = (id(s), pos, id(src), edge.shape, edge.dtype, edge.memo_weight)
         found = self._parts.get(key)
-        if found is None:
+        if found is None:  # by content: the same specs of another node (a repeated block's)
             self._alive[id(s)], self._alive[id(src)] = s, src
-            found = self._parts[key] = self._edge_parts(edge, tuple(src), s, dst)
+            grad = self._grad_spec_at_consumer(dst, s)  # all `_edge_parts` reads of `s`
+            specs = (self._spec_number(src), self._spec_number(dst), self._spec_number(grad))
+            content = (*specs, edge.dims, edge.itemsize, edge.memo_weight)
+            found = self._priced.get(content)
+            if found is None:
+                found = self._priced[content] = self._edge_parts(edge, tuple(src), s, dst)
+            self._parts[key] = found
+        return found
+
+    def _spec_number(self, spec) -> int:
+        """A number per distinct spec, read by the spec object's id (placements hash in
+        Python: a spec is hashed once per object, not once per lookup)."""
+        found = self._specs.get(id(spec))
+        if found is None:
+            self._alive[id(spec)] = spec
+            found = self._numbers.setdefault(tuple(spec), len(self._numbers))
+            self._specs[id(spec)] = found
         return found
 
     def _edge_parts(self, edge: _EdgeValue, src, s: NodeStrategy, dst) -> tuple[float, float]:
@@ -416,7 +434,7 @@ class CostContext:
         if src is None or dst is None or val is None or not self.is_weight(op.producer):
             return []
         size = val.element_size()
-        parts = _reshard_parts(self.cluster, tuple(src), tuple(dst), tuple(val.shape), size) or ()
+        parts = reshard_parts(self.cluster, tuple(src), tuple(dst), tuple(val.shape), size) or ()
         return [((kind, axis, size), kind, axis, b) for axis, kind, b in parts]
 
     def grad_reductions(self, op: Operand, src, v: fx.Node, s: NodeStrategy, pos: int):
@@ -432,7 +450,7 @@ class CostContext:
         size = val.element_size()
         if self.reduce_itemsize and same_spec(src, dst):
             size = self.reduce_itemsize
-        parts = _reshard_parts(self.cluster, grad_dst, grad_src, tuple(val.shape), size) or ()
+        parts = reshard_parts(self.cluster, grad_dst, grad_src, tuple(val.shape), size) or ()
         return [((kind, axis, size), kind, axis, b) for axis, kind, b in parts]
 
     def _grad_spec_at_consumer(self, dst, s: NodeStrategy):
@@ -461,53 +479,14 @@ class CostContext:
         key = (src, dst, shape, itemsize)
         found = self._redistributed.get(key)
         if found is None:
-            found = self._redistributed[key] = _redistribute_cached(
+            found = self._redistributed[key] = reshard_seconds(
                 self.cluster, src, dst, shape, itemsize
             )
         return found
 
 
-@lru_cache(maxsize=200_000)
-def _redistribute_cached(cluster: Cluster, src, dst, shape, itemsize) -> float:
-    if same_spec(src, dst):
-        return 0.0
-    if any(b.is_partial() and not a.is_partial() for a, b in zip(src, dst, strict=True)):
-        return math.inf  # DTensor does not redistribute into Partial: forbidden pair
-    # a Partial of another kind (the embedding's masked sum) is kept as it is by lowering
-    src = tuple(
-        b if a.is_partial() and b.is_partial() else a for a, b in zip(src, dst, strict=True)
-    )
-    seconds = comm.redistribute_time(src, dst, shape, itemsize, cluster)
-    if math.isinf(seconds):
-        return seconds  # a transition DTensor cannot perform (a re-split strided shard)
-    launches = sum(
-        cluster.links[axis].latency
-        for axis, _ in comm.redistribute_steps(src, dst, cluster.mesh_shape)
-    )
-    return seconds + launches
-
-
-@lru_cache(maxsize=200_000)
-def _reshard_parts(cluster: Cluster, src, dst, shape, itemsize):
-    if same_spec(src, dst):
-        return ()
-    if any(b.is_partial() and not a.is_partial() for a, b in zip(src, dst, strict=True)):
-        return None
-    src = tuple(
-        b if a.is_partial() and b.is_partial() else a for a, b in zip(src, dst, strict=True)
-    )
-    parts = comm.redistribute_parts(src, dst, shape, itemsize, cluster)
-    return None if parts is None else tuple(parts)
-
-
 def is_param(n: fx.Node) -> bool:
     return n.op == "placeholder" and n.meta.get("autopar_role") == "param"
-
-
-def same_spec(src, dst) -> bool:
-    """No redistribution between the specs: equal, or partial on the same axes (lowering keeps
-    a Partial of another kind, e.g. the embedding's masked sum, as it is)."""
-    return all((a.is_partial() and b.is_partial()) or a == b for a, b in zip(src, dst, strict=True))
 
 
 def _first_tensor(val):

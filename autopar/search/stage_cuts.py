@@ -8,35 +8,39 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 
 def balanced_cuts(
     costs: list[float], stages: int, span: Callable[[int, int], float] | None = None
 ) -> tuple[int, ...]:
-    """First layer of each stage, minimizing the slowest stage (contiguous ranges; DP).
-    `span(i, j)`: seconds of a stage of layers i..j-1 (default: the sum of their `costs`)."""
+    """First layer of each stage, minimizing the slowest stage (contiguous ranges; DP over
+    the table of every range's price, vectorised: each range is priced once, however many
+    stages). `span(i, j)`: seconds of a stage of layers i..j-1 (default: the sum of their
+    `costs`)."""
     n = len(costs)
     if stages > n:
         raise ValueError(
             f"{stages} pipeline stages need at least {stages} layers; the model "
             f"has {n}. Use fewer stages or a non-interleaved schedule."
         )
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
     if span is None:
-        span = lambda i, j: prefix[j] - prefix[i]  # noqa: E731
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
+        prefix = np.concatenate(([0.0], np.cumsum(np.asarray(costs, dtype=np.float64))))
+        price = prefix[None, :] - prefix[:, None]  # [i][j] = prefix[j] - prefix[i]
+    else:  # each range priced once (a stage of layers i..j-1, i < j)
+        price = np.full((n + 1, n + 1), np.inf)
+        for i in range(n):
+            price[i, i + 1 :] = [span(i, j) for j in range(i + 1, n + 1)]
+    price[np.tril_indices(n + 1)] = np.inf  # a stage holds at least one layer
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    cut = np.zeros((stages + 1, n + 1), dtype=np.int64)
     for s in range(1, stages + 1):
-        for j in range(s, n + 1):
-            for i in range(s - 1, j):
-                v = max(best[s - 1][i], span(i, j))
-                if v < best[s][j]:
-                    best[s][j], cut[s][j] = v, i
+        slowest = np.maximum(best[:, None], price)  # [i][j]: stages so far to i, then i..j-1
+        cut[s] = np.argmin(slowest, axis=0)  # the first i of the least (ties: earliest cut)
+        best = slowest[cut[s], np.arange(n + 1)]
     cuts, j = [], n
     for s in range(stages, 0, -1):
-        cuts.append(cut[s][j])
-        j = cut[s][j]
+        cuts.append(int(cut[s][j]))
+        j = cuts[-1]
     return tuple(reversed(cuts))
