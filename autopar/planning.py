@@ -41,18 +41,15 @@ from autopar.options import MIXED_PRECISION, PlanOptions
 from autopar.passes.fusion import fuse_regions
 from autopar.plan import SCHEDULES, FusedRegion, Plan
 from autopar.runtime.pipeline_model import SmallerMicrobatches
-from autopar.search.inter_op import PipelineOptions, search_pipeline
+from autopar.search.inter_op import PipelineOptions
 from autopar.search.intra_op import search_plan
 from autopar.search.layouts import search_layout
 from autopar.search.peak import with_predicted_memory
 from autopar.search.pins import SearchOptions
+from autopar.search.pipeline_plan import search_pipeline
 from autopar.search.progress import phase
 from autopar.search.schedules import default_microbatches, microbatch_rows
-from autopar.search.template_plan import (
-    plan_from_template,
-    solve_on_template,
-    template_applies,
-)
+from autopar.search.template_plan import plan_from_template, solve_on_template, template_applies
 
 
 @dataclass(frozen=True)

@@ -260,3 +260,31 @@ def test_a_winner_whose_plan_is_over_memory_gives_way_to_the_next_fastest() -> N
     assert kept not in over and isinstance(tried[kept], float)
     # the layouts given up were priced faster than the one kept
     assert all(float(v.rsplit("priced ", 1)[1].split(" s")[0]) < tried[kept] for v in over.values())
+
+
+def test_work_prepared_ahead_changes_no_price(monkeypatch) -> None:
+    """While a layout's ILP solves, the next layout's template, strategies and prices are
+    prepared (`search.ahead`) and taken by its own call: the search prices and decides
+    exactly as it does without it."""
+    from autopar.search import ahead
+
+    model, batch = _meta_gpt("tiny4", 16)
+    cluster = Cluster.preset("dgx-h100", nodes=1)
+    taken = []
+    take = ahead.take
+
+    def counting(key):
+        found = take(key)
+        taken.append(found is not None)
+        return found
+
+    monkeypatch.setattr(ahead, "take", counting)
+    with fake_group(cluster.world_size):
+        with_ahead = search_layout(model, batch, cluster, SearchOptions())
+        assert any(taken) and not ahead._KEPT  # work was taken; nothing outlives the search
+        monkeypatch.setattr(_Pricer, "prepare_next", lambda self, layout, bar: None)
+        taken.clear()
+        without = search_layout(model, batch, cluster, SearchOptions())
+        assert not any(taken)
+    assert with_ahead.priced == without.priced
+    assert with_ahead.tried == without.tried

@@ -2,7 +2,7 @@
 
 - `intra_op` (`search_plan`): one strategy per node on a mesh, chosen by the ILP of `ilp`
   (`solve_intra_op`) over the costs of `costs`, under the pins of `pins` (`SearchOptions`).
-- `inter_op` (`search_pipeline`): Alpa's stage search: cut points over the layers and a
+- `inter_op` (`solve_pipeline`; `pipeline_plan.search_pipeline`): Alpa's stage search: cut points over the layers and a
   schedule (`schedules` simulates each), on the ILP's per-layer costs.
 - `layouts` (`search_layout`): the outer loop over pipeline degree x stage mesh (dp, tp) x
   microbatches x schedule, priced on two-block templates.

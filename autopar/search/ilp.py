@@ -72,6 +72,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -308,11 +309,14 @@ def solve_intra_op(problem: IntraOpProblem, *, backend: str = "auto") -> IntraOp
     return IntraOpSolution(choices, objective, memory, gap, status, elapsed)
 
 
-def solve_all(problems: list[IntraOpProblem]) -> list[IntraOpSolution | Exception]:
+def solve_all(
+    problems: list[IntraOpProblem], meanwhile: Callable[[], None] | None = None
+) -> list[IntraOpSolution | Exception]:
     """Each problem's solution (or the exception its solve raised), in order. The solvers
     run in C++ without the GIL, so the problems are solved on a thread each, as many at once
-    as this process has cores: the three cost scales of a Llama-3-8B template, ~4 s each,
-    take ~7 s on 2 cores instead of ~12."""
+    as this process has cores (the three cost scales of a Llama-3-8B template, ~4 s each,
+    take ~7 s on 2 cores instead of ~12), and `meanwhile` (`search.ahead`: the layout
+    search's next candidate) runs on this thread while they do."""
 
     def solve(problem: IntraOpProblem) -> IntraOpSolution | Exception:
         try:
@@ -322,7 +326,19 @@ def solve_all(problems: list[IntraOpProblem]) -> list[IntraOpSolution | Exceptio
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     workers = min(len(problems), cores or 1)
-    if workers <= 1:
+    if workers <= 1 and meanwhile is None:
         return [solve(p) for p in problems]
     with ThreadPoolExecutor(workers, thread_name_prefix="autopar-ilp") as pool:
-        return list(pool.map(solve, problems))
+        futures = [pool.submit(solve, p) for p in problems]
+        if meanwhile is not None:
+            _run_ahead(meanwhile)
+        return [f.result() for f in futures]
+
+
+def _run_ahead(work: Callable[[], None]) -> None:
+    """Work done ahead for a later call that will do it again if it fails here: its
+    error is that call's to raise (with that call's context), not this one's."""
+    try:
+        work()
+    except Exception:  # noqa: BLE001 - see the docstring
+        pass

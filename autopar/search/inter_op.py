@@ -1,6 +1,7 @@
 """Inter-op search: pipeline stages, their cut points, and the schedule (Alpa's outer loop).
 
-`search_pipeline(captured, cluster, stage_mesh, options, pipeline) -> Plan`
+`solve_pipeline(captured, cluster, stage_mesh, options, pipeline) -> (result, schedule, ...)`
+(`search.pipeline_plan.search_pipeline` makes it a `Plan`)
 
 The cluster's `pp` axis holds the pipeline ranks; every stage runs on the submesh of the
 remaining axes (its logical mesh), with the placements the intra-op ILP chose for that
@@ -55,14 +56,11 @@ from autopar.plan import (
     DEFAULT_COMM,
     SCHEDULES,
     CommPlan,
-    MemoryPlan,
-    PipelinePlan,
-    Plan,
     stage_ranks,
 )
 from autopar.search.costs import CostWeights
 from autopar.search.ilp import MemoryInfeasible
-from autopar.search.intra_op import IntraOpResult, solve_intra
+from autopar.search.intra_op import IntraOpResult, prepare_intra, solve_intra
 from autopar.search.pins import SearchOptions
 from autopar.search.schedules import (
     Timeline,
@@ -79,7 +77,6 @@ from autopar.search.step import (
     zero_gather_ratio,
     zero_gathers,
 )
-from autopar.search.to_plan import assemble_plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,12 +407,8 @@ def solve_pipeline(
     stand for `total_layers` (see `CostWeights`). Raises ValueError when none fits."""
     pp = cluster.axis_size("pp")
     limit = options.memory_limit or cluster.device.memory_bytes * 0.9
-    # ZeRO-2 in a pipeline: the microbatches accumulate the full-size gradients before
-    # the reduce-scatter (`runtime.stage_grads.GradientScatter`), so the peak holds them
-    options = replace(options, shard_gradients=False)
-    weights = pipeline_weights(pp, pipeline.microbatches, layers or {})
+    options, weights, ilp_limit = _stage_ilp(cluster, options, pipeline, layers)
     candidates = [pipeline.schedule] if pipeline.schedule else list(SCHEDULES)
-    ilp_limit = limit * pp
     result = solve_intra(captured, stage_cluster(cluster), stage_mesh, options, weights, ilp_limit)
     with_comm(result)
     for attempt in range(_RETRIES + 1):
@@ -440,6 +433,23 @@ def solve_pipeline(
 
 
 _RETRIES = 2  # ILP re-solves under a tighter budget when no schedule fits
+
+
+def prepare_pipeline(captured, cluster, stage_mesh, options, pipeline, layers=None) -> None:
+    """`intra_op.prepare_intra` of `solve_pipeline`'s first ILP (`search.ahead`)."""
+    options, weights, ilp_limit = _stage_ilp(cluster, options, pipeline, layers)
+    prepare_intra(captured, stage_cluster(cluster), stage_mesh, options, weights, ilp_limit)
+
+
+def _stage_ilp(cluster: Cluster, options, pipeline: PipelineOptions, layers):
+    """(options, weights, memory limit) of a pipeline's stage ILP: every rank's budget
+    summed (the ILP prices 1/pp of the layers per rank, `pipeline_weights`)."""
+    pp = cluster.axis_size("pp")
+    limit = options.memory_limit or cluster.device.memory_bytes * 0.9
+    # ZeRO-2 in a pipeline: the microbatches accumulate the full-size gradients before
+    # the reduce-scatter (`runtime.stage_grads.GradientScatter`), so the peak holds them
+    options = replace(options, shard_gradients=False)
+    return options, pipeline_weights(pp, pipeline.microbatches, layers or {}), limit * pp
 
 
 class Dominated(Exception):  # noqa: N818 - not an error: the layout loses
@@ -475,45 +485,3 @@ def _price_schedules(lc, candidates, pp, cluster, pipeline, limit):
         else:
             failures.append(f"{sched}: needs {p.peak_memory / 2**30:.1f} GiB per device")
     return priced, failures, least
-
-
-def search_pipeline(
-    captured: Captured,
-    cluster: Cluster,
-    stage_mesh: DeviceMesh,
-    options: SearchOptions,
-    pipeline: PipelineOptions,
-) -> Plan:
-    result, best, schedules = solve_pipeline(captured, cluster, stage_mesh, options, pipeline)
-    plan = assemble_plan(
-        captured,
-        cluster,
-        result.chosen,
-        options.strategy_name(),
-        best.step_time,
-        best.peak_memory,
-        {**result.info, "schedules": schedules, **best.info()},
-        priced=result.priced,
-        memory=MemoryPlan(*result.memory_plan),  # (recompute, reshard_after_forward)
-        comm=result.comm,
-    )
-    return replace(plan, pipeline=pipeline_plan(captured, cluster, pipeline, best))
-
-
-def pipeline_plan(
-    captured: Captured, cluster: Cluster, pipeline: PipelineOptions, best: PricedSchedule
-) -> PipelinePlan:
-    """The pipeline part of the plan: `best`'s schedule and cuts over `captured`'s layers."""
-    pp = cluster.axis_size("pp")
-    sub = stage_cluster(cluster)
-    return PipelinePlan(
-        pp=pp,
-        stage_cuts=best.cuts,
-        layers=tuple(layer_order(captured)),
-        schedule=best.schedule,
-        microbatches=pipeline.microbatches,
-        stage_mesh=sub.mesh_shape,
-        stage_axis_names=sub.axis_names,
-        rank_of_stage=tuple(stage_ranks(best.schedule, pp)),
-        timeline=best.timeline.rows,
-    )

@@ -4,7 +4,7 @@
 
 Building the ILP (`autopar.search.ilp` holds the formulation itself):
 
-1. `build_decisions` — one *decision* per node, except *followers*: a node with one tensor
+1. `build_decisions` (`autopar.search.decisions`) — one *decision* per node, except *followers*: a node with one tensor
    operand (`autopar.capture.operands`) which has, for every choice of that operand's
    producer, a strategy taking the operand as it is (views, permutes, unary elementwise,
    and every getitem of a multi-output node: its strategies are the producer's, one to
@@ -48,10 +48,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 
-import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -61,7 +59,9 @@ from autopar.capture.export import layer_of
 from autopar.cluster import Cluster
 from autopar.passes.strategies import NodeStrategy, enumerate_strategies
 from autopar.plan import DEFAULT_COMM, CommPlan, MemoryPlan, Plan
+from autopar.search import ahead
 from autopar.search.costs import CostContext, CostWeights
+from autopar.search.decisions import Decisions, build_decisions, share_layers  # noqa: F401
 from autopar.search.ilp import (
     Edge,
     IntraOpProblem,
@@ -88,95 +88,6 @@ from autopar.search.to_plan import assemble_plan
 # ranked by the overlapped step: the bound; gathers prefetched (hidden but the first) with
 # the gradients' tail exposed; both mostly hidden
 COMM_SCALES: tuple[tuple[float, float], ...] = ((1.0, 1.0), (0.1, 1.0), (0.1, 0.1))
-
-
-@dataclass
-class Decision:
-    """One ILP decision: its choices index the strategies of its first member."""
-
-    num_choices: int
-    members: list[tuple[fx.Node, list[int]]] = field(default_factory=list)  # node, choice->strat
-
-
-@dataclass
-class Decisions:
-    items: list[Decision]
-    owner: dict[fx.Node, tuple[int, list[int]]]  # node -> (decision, choice -> strategy)
-
-
-def build_decisions(
-    gm: fx.GraphModule, strats: dict[fx.Node, list[NodeStrategy]], ctx: CostContext
-) -> Decisions:
-    items: list[Decision] = []
-    owner: dict[fx.Node, tuple[int, list[int]]] = {}
-    for n in gm.graph.nodes:
-        if n not in strats:
-            continue
-        follow = _follow(n, strats, owner, items, ctx)
-        if follow is not None:
-            d, mapping = follow
-        else:
-            d, mapping = len(items), list(range(len(strats[n])))
-            items.append(Decision(num_choices=len(strats[n])))
-        items[d].members.append((n, mapping))
-        owner[n] = (d, mapping)
-    return Decisions(items, owner)
-
-
-def _follow(n: fx.Node, strats, owner, items, ctx: CostContext):
-    ins = ctx.operands(n)
-    if n.op != "call_function" or len(ins) != 1 or ins[0][1].producer not in owner:
-        return None
-    pos, op = ins[0]
-    u = op.producer
-    d, map_u = owner[u]
-    by_input: dict[object, int] = {}
-    for j, s in enumerate(strats[n]):
-        key = s.inputs[pos] if pos < len(s.inputs) else None
-        if key not in by_input or ctx.node_cost(n, s) < ctx.node_cost(n, strats[n][by_input[key]]):
-            by_input[key] = j
-    mapping = []
-    for c in range(items[d].num_choices):
-        out = ctx.output_spec(op, strats[u][map_u[c]])
-        if out not in by_input:
-            return None
-        mapping.append(by_input[out])
-    return d, mapping
-
-
-def share_layers(dec: Decisions, strats) -> list[int]:
-    """rep[d] = the decision that d shares its choice with (itself if not repeated)."""
-    by_layer: dict[str, list[int]] = defaultdict(list)
-    for d, item in enumerate(dec.items):
-        layer = layer_of(item.members[0][0])
-        if layer is not None:
-            by_layer[layer].append(d)
-    rep = list(range(len(dec.items)))
-    first_of: dict[tuple, list[int]] = {}
-    for ds in by_layer.values():
-        sig = tuple(_signature(dec.items[d], strats) for d in ds)
-        if sig in first_of:
-            for d, r in zip(ds, first_of[sig], strict=True):
-                rep[d] = r
-        else:
-            first_of[sig] = ds
-    return rep
-
-
-def _signature(item: Decision, strats) -> tuple:
-    return tuple(
-        (_op_key(n), _shape(n), tuple(m), tuple(str(s) for s in strats[n])) for n, m in item.members
-    )
-
-
-def _op_key(n: fx.Node) -> str:
-    """What a node computes; placeholders are told apart by role, not by their names."""
-    return f"placeholder:{n.meta.get('autopar_role')}" if n.op == "placeholder" else str(n.target)
-
-
-def _shape(n: fx.Node):
-    val = n.meta.get("val")
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
 def price(
@@ -343,15 +254,12 @@ def solve_intra(
     program), by whose step the candidates are ranked."""
     options = options or SearchOptions()
     t0 = time.perf_counter()
-    with phase("strategies"):
-        strats = enumerate_strategies(captured.gm, mesh)
-        strats = apply_pins(captured, strats, options, mesh)
-    scales = COMM_SCALES if comm is not None and cluster.world_size > 1 else COMM_SCALES[:1]
-    with phase("costs"):
-        built = _build_problem(captured, cluster, strats, options, weights, memory_limit, scales)
+    args = (captured, cluster, mesh, options, weights, memory_limit, comm)
+    found = ahead.take(_prepared_key(*args))
+    strats, scales, built = found[1:] if found is not None else _prepare(*args)
     best, solve_s, seen = None, 0.0, set()
     with phase("ILP"):
-        outcomes = solve_all(built.problems)
+        outcomes = solve_all(built.problems, meanwhile=ahead.take_meanwhile())
     for k, (problem, solution) in enumerate(zip(built.problems, outcomes, strict=True)):
         if isinstance(solution, MemoryInfeasible):  # the same memory at every scale
             raise solution.explained(cluster, problem.memory_limit) from None
@@ -375,6 +283,39 @@ def solve_intra(
         solve_time_s=solve_s, search_time_s=time.perf_counter() - t0, step_candidates=len(seen)
     )
     return best
+
+
+def prepare_intra(
+    captured: Captured,
+    cluster: Cluster,
+    mesh: DeviceMesh,
+    options: SearchOptions,
+    weights: CostWeights | None = None,
+    memory_limit: float | None = None,
+    comm: CommPlan | None = None,
+) -> None:
+    """What `solve_intra` with the same arguments computes before its ILPs (strategies,
+    the priced problems), computed now and kept for that call (`search.ahead`)."""
+    args = (captured, cluster, mesh, options, weights, memory_limit, comm)
+    key = _prepared_key(*args)
+    if not ahead.kept(key):
+        ahead.keep(key, (captured, *_prepare(*args)))  # `captured` kept alive: its id is key
+
+
+def _prepared_key(captured, cluster, mesh, options, weights, memory_limit, comm) -> tuple:
+    names = tuple(mesh.mesh_dim_names or ())
+    return (id(captured), cluster, tuple(mesh.shape), names, repr(options), repr(weights),
+            memory_limit, repr(comm))  # fmt: skip
+
+
+def _prepare(captured, cluster, mesh, options, weights, memory_limit, comm):
+    with phase("strategies"):
+        strats = enumerate_strategies(captured.gm, mesh)
+        strats = apply_pins(captured, strats, options, mesh)
+    scales = COMM_SCALES if comm is not None and cluster.world_size > 1 else COMM_SCALES[:1]
+    with phase("costs"):
+        built = _build_problem(captured, cluster, strats, options, weights, memory_limit, scales)
+    return strats, scales, built
 
 
 @dataclass

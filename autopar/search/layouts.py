@@ -33,6 +33,7 @@ buffers (pipeline stages do not write them back), is searched without pipelines.
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 import time
@@ -50,13 +51,14 @@ from autopar.capture.template import Template, capture_template
 from autopar.cluster import Cluster
 from autopar.cost_models import compute
 from autopar.plan import Plan
+from autopar.search import ahead
 from autopar.search.costs import VIEW_OPS
 from autopar.search.ilp import MemoryInfeasible, SolverTimeout
 from autopar.search.inter_op import Dominated, PipelineOptions
 from autopar.search.pins import SearchOptions
 from autopar.search.progress import candidate, phase
 from autopar.search.schedules import microbatch_rows
-from autopar.search.template_plan import solve_on_template
+from autopar.search.template_plan import prepare_on_template, solve_on_template
 
 MICROBATCH_ROWS = (1, 2)  # rows per data-parallel replica in one microbatch
 
@@ -162,6 +164,7 @@ class _Pricer:
     # cannot: smaller matmuls, more launches, the gradient reduction after the last
     # microbatch instead of behind the whole backward, the same states.
     pressed: set[tuple[int, int]] = field(default_factory=set)
+    following: dict[Layout, Layout] = field(default_factory=dict)  # the next one priced
 
     def template(self, rows: int) -> Template:
         if rows not in self.templates:
@@ -169,6 +172,26 @@ class _Pricer:
             with phase("capture"):
                 self.templates[rows] = capture_template(self.model, mb, self.loss_fn)
         return self.templates[rows]
+
+    def prepare_next(self, layout: Layout, bar: float) -> None:
+        """While `layout`'s ILP solves: what pricing the next layout that will not surely be
+        skipped (an accumulation not asked for, a compute bound over `bar`) computes before
+        its own ILP (its template, strategies and prices, `search.ahead`)."""
+        nxt = self.following.get(layout)
+        while nxt is not None and (
+            (nxt.accumulates and (nxt.dp, nxt.tp) not in self.pressed) or self.bound(nxt) >= bar
+        ):
+            nxt = self.following.get(nxt)
+        if nxt is None:
+            return
+        rows = self.batch[0].shape[0]
+        tpl = self.template(microbatch_rows(rows, nxt.microbatches)[0])
+        cluster = nxt.cluster(self.cluster)
+        mesh = shape_only_mesh("cpu", cluster.mesh_shape, cluster.axis_names)
+        pipeline = None
+        if nxt.pp > 1 or nxt.accumulates:
+            pipeline = PipelineOptions(nxt.microbatches, None, rows=rows)
+        prepare_on_template(tpl, cluster, mesh, self.options, pipeline)
 
     def bound(self, layout: Layout) -> float:
         """A lower bound of `layout`'s step time: its ranks do M microbatches of compute,
@@ -270,9 +293,14 @@ def _search_layout(
     tried: dict[str, float | str] = {}
     priced: list[tuple[float, float, Layout]] = []
     degrees = [d for by_degree in candidates.values() for d in by_degree]
-    best = price_degrees(
-        degrees, lambda layouts, bar: _price_all(pricer, layouts, schedule, tried, priced, bar)
-    )
+    order = [layout for layouts in pricing_order(degrees) for layout in layouts]
+    pricer.following = dict(itertools.pairwise(order))
+    try:
+        best = price_degrees(
+            degrees, lambda layouts, bar: _price_all(pricer, layouts, schedule, tried, priced, bar)
+        )
+    finally:
+        ahead.clear()
     if best is None:
         raise ValueError(
             "no layout fits: " + "; ".join(f"{k}: {v}" for k, v in list(tried.items())[:8])
@@ -288,11 +316,16 @@ def price_degrees(degrees: list[list[Layout]], price: Callable) -> tuple | None:
     pipeline first; within a degree, `price` skips the layouts whose lower bound is
     already `bar` or more."""
     best = None
-    for layouts in sorted(degrees, key=lambda ls: ls[0].pp > 1):
+    for layouts in pricing_order(degrees):
         found = price(layouts, math.inf if best is None else best[0])
         if found is not None and (best is None or found[0] < best[0]):
             best = found
     return best
+
+
+def pricing_order(degrees: list[list[Layout]]) -> list[list[Layout]]:
+    """The degrees without a pipeline first (their answer is the bar pipelines must beat)."""
+    return sorted(degrees, key=lambda ls: ls[0].pp > 1)
 
 
 def _price_all(
@@ -315,7 +348,8 @@ def _price_all(
             candidate(layout.key, None)
             continue
         try:
-            found = pricer.price(layout, schedule, beat)
+            with ahead.meanwhile(lambda layout=layout, beat=beat: pricer.prepare_next(layout, beat)):
+                found = pricer.price(layout, schedule, beat)
         except Dominated as exc:  # its ILP ran, its schedules did not: a larger count may win
             tried[layout.key] = f"pruned: {exc}"
             candidate(layout.key, None)

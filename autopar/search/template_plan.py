@@ -38,9 +38,15 @@ from autopar.capture.template import Template
 from autopar.cluster import Cluster
 from autopar.plan import DEFAULT_COMM, MemoryPlan, Plan
 from autopar.search.costs import CostWeights
-from autopar.search.inter_op import PipelineOptions, pipeline_plan, solve_pipeline, stage_cluster
-from autopar.search.intra_op import IntraOpResult, solve_intra
+from autopar.search.inter_op import (
+    PipelineOptions,
+    prepare_pipeline,
+    solve_pipeline,
+    stage_cluster,
+)
+from autopar.search.intra_op import IntraOpResult, prepare_intra, solve_intra
 from autopar.search.pins import SearchOptions
+from autopar.search.pipeline_plan import pipeline_plan
 from autopar.search.progress import phase
 from autopar.search.to_plan import assemble_plan
 
@@ -145,6 +151,25 @@ def solve_on_template(
     if pipeline.stage_cuts is None and pipeline.schedule is None:
         template.solved[key] = found
     return found
+
+
+def prepare_on_template(
+    template: Template,
+    cluster: Cluster,
+    mesh: DeviceMesh,
+    options: SearchOptions,
+    pipeline: PipelineOptions | None,
+) -> None:
+    """What `solve_on_template` with the same arguments computes before its first ILP,
+    computed now (`search.ahead`); nothing where its solve is known."""
+    if solved_key(cluster, options, pipeline and pipeline.microbatches) in template.solved:
+        return
+    if pipeline is None:
+        weights = CostWeights(layer=template.weights)
+        prepare_intra(template.captured, cluster, mesh, options, weights, comm=DEFAULT_COMM)
+    else:
+        stage_mesh = mesh[stage_cluster(cluster).axis_names]
+        prepare_pipeline(template.captured, cluster, stage_mesh, options, pipeline, template.weights)
 
 
 def template_applies(options: SearchOptions) -> bool:

@@ -1,0 +1,60 @@
+"""A pipeline's plan: `search_pipeline(captured, cluster, stage_mesh, options, pipeline)`
+solves the stages and the schedule (`search.inter_op.solve_pipeline`) and assembles the
+plan; `pipeline_plan` is its pipeline part (schedule, cuts, stage mesh, timeline).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.capture import Captured
+from autopar.capture.analysis import layer_order
+from autopar.cluster import Cluster
+from autopar.plan import MemoryPlan, PipelinePlan, Plan, stage_ranks
+from autopar.search.inter_op import PipelineOptions, PricedSchedule, solve_pipeline, stage_cluster
+from autopar.search.pins import SearchOptions
+from autopar.search.to_plan import assemble_plan
+
+
+def search_pipeline(
+    captured: Captured,
+    cluster: Cluster,
+    stage_mesh: DeviceMesh,
+    options: SearchOptions,
+    pipeline: PipelineOptions,
+) -> Plan:
+    result, best, schedules = solve_pipeline(captured, cluster, stage_mesh, options, pipeline)
+    plan = assemble_plan(
+        captured,
+        cluster,
+        result.chosen,
+        options.strategy_name(),
+        best.step_time,
+        best.peak_memory,
+        {**result.info, "schedules": schedules, **best.info()},
+        priced=result.priced,
+        memory=MemoryPlan(*result.memory_plan),  # (recompute, reshard_after_forward)
+        comm=result.comm,
+    )
+    return replace(plan, pipeline=pipeline_plan(captured, cluster, pipeline, best))
+
+
+def pipeline_plan(
+    captured: Captured, cluster: Cluster, pipeline: PipelineOptions, best: PricedSchedule
+) -> PipelinePlan:
+    """The pipeline part of the plan: `best`'s schedule and cuts over `captured`'s layers."""
+    pp = cluster.axis_size("pp")
+    sub = stage_cluster(cluster)
+    return PipelinePlan(
+        pp=pp,
+        stage_cuts=best.cuts,
+        layers=tuple(layer_order(captured)),
+        schedule=best.schedule,
+        microbatches=pipeline.microbatches,
+        stage_mesh=sub.mesh_shape,
+        stage_axis_names=sub.axis_names,
+        rank_of_stage=tuple(stage_ranks(best.schedule, pp)),
+        timeline=best.timeline.rows,
+    )
