@@ -3,7 +3,7 @@
     python benchmarks/bench_runtime.py [--sample gpt] [--config small] [--batch 16]
                                        [--families dp,fsdp,tp] [--warmup 3] [--steps 10]
                                        [--profile 3] [--csv build/bench_runtime.csv]
-                                       [--compare-off]
+                                       [--compare-off] [--cluster build/cluster.json]
 
 The defaults are issue 10's setup: the GPT sample's "small" config (4 layers, d=256,
 vocab 512, sequence 128), a global batch of 16, on 4 local gloo processes (one spawn for
@@ -24,6 +24,9 @@ the slowest rank's; the table shows the median over `--steps` after `--warmup`, 
 torch / autopar (speed: > 1 means autopar is faster) and autopar's predicted step time
 (`plan.predicted_step_time`). The losses of each pair must agree at every step (`--tol`,
 relative): the bench exits 1 when a run diverges.
+
+`--cluster FILE` plans autopar's runs on a calibrated cluster (`autopar calibrate`: gloo's
+collectives as measured, each kind at its own rate) instead of the "cpu" preset's.
 
 `--compare-off` also times autopar's program without the communication pass
 (`autopar.passes.comm`: gradient buckets, collectives issued early and waited late), as
@@ -178,14 +181,20 @@ def torch_runner(family: str, model, batch, rank: int, world: int):
     return fwd_bwd, opt_step
 
 
-def autopar_runner(family: str, model, batch, comm: bool = True):
+def autopar_runner(family: str, model, batch, comm: bool = True, cluster_file: str = ""):
     """autopar's compiled model; `comm=False`: its program without the communication pass
-    (`autopar.passes.comm.OFF`: one collective per tensor, each waited at once)."""
+    (`autopar.passes.comm.OFF`: one collective per tensor, each waited at once);
+    `cluster_file`: plan on that calibrated cluster (`autopar calibrate`), else the "cpu"
+    preset's."""
     axis, strategy, extra = AUTOPAR[family]
+    if cluster_file:
+        cluster = autopar.Cluster.load(cluster_file).reshaped((WORLD,), (axis,))
+    else:
+        cluster = autopar.Cluster.local(mesh=(WORLD,), axis_names=(axis,))
     pm = autopar.compile(
         model,
         batch,
-        cluster=autopar.Cluster.local(mesh=(WORLD,), axis_names=(axis,)),
+        cluster=cluster,
         strategy=strategy,
         optimizer=_optimizer,
         activation_checkpointing="none",
@@ -209,7 +218,9 @@ def run_one(family: str, impl: str, args, rank: int) -> dict:
     model, batch = load_model(args.sample, args.config, args.batch, seed=0)
     out: dict = {"family": family, "impl": impl}
     if impl.startswith("autopar"):
-        pm, fwd_bwd, opt_step = autopar_runner(family, model, batch, impl == "autopar")
+        pm, fwd_bwd, opt_step = autopar_runner(
+            family, model, batch, impl == "autopar", args.cluster
+        )
         out["predicted_ms"] = 1e3 * pm.plan.predicted_step_time
         gm = pm.program.gm
         out["program_collectives"] = sum(
@@ -399,6 +410,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", type=int, default=0, help="profile N more steps on rank 0")
     p.add_argument("--tol", type=float, default=2e-3, help="relative loss agreement")
     p.add_argument("--csv", default="build/bench_runtime.csv")
+    p.add_argument(
+        "--cluster",
+        default="",
+        help="plan on this calibrated cluster file (autopar calibrate), else the cpu preset",
+    )
     p.add_argument(
         "--compare-off",
         action="store_true",
