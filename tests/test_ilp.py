@@ -355,3 +355,19 @@ def test_gated_edges_on_a_dense_pair_are_one_block() -> None:
     for backend in BACKENDS:
         sol = solve_intra_op(p, backend=backend)
         assert sol.objective == pytest.approx(best, rel=1e-9) and sol.memory <= p.memory_limit
+
+
+def test_a_relaxation_that_mixes_choices_to_fit_memory_does_not_settle_the_ilp() -> None:
+    """The LP relaxation settles the ILP only with an assignment read off it that fits
+    and costs its optimum: here it runs the decision half on its cheap, large choice and
+    half on its dear, small one to meet the limit exactly (cost 0.5 for 1 byte); neither
+    reading (largest value: over memory; least memory: cost 1, above 0.5) settles it, so
+    the MIP decides (the small choice: cost 1, memory 0)."""
+    from autopar.search import ilp
+
+    p = _problem([[0, 1]], [[2, 0]], [], limit=1.0)
+    red = ilp._reduce(p)
+    mdl = ilp._build(red, p)
+    assert ilp._relaxation_if_settled(mdl, red, p, 10.0) is None and mdl.rounded is None
+    sol = solve_intra_op(p)
+    assert (sol.objective, sol.memory) == (1.0, 0.0) and sol.status == "optimal"
