@@ -63,6 +63,7 @@ class ParityCase:
     mixed_precision: str | None = None
     shard_optimizer: bool = False
     shard_gradients: bool = False
+    placements: tuple[tuple[str, str], ...] = ()  # pinned (parameter, spec) pairs
 
     @property
     def label(self) -> str:
@@ -79,6 +80,7 @@ class ParityCase:
             label += "-reshard" if self.memory.reshard_after_forward else ""
         label += f"-{self.mixed_precision}" if self.mixed_precision else ""
         zero = 2 if self.shard_gradients else 1 if self.shard_optimizer else 0
+        label += "-pinned" if self.placements else ""
         return label + (f"-zero{zero}" if zero else "")
 
 
@@ -386,6 +388,7 @@ def _compiled(case: ParityCase, model, batch, plans: dict):
             mixed_precision=case.mixed_precision,
             shard_optimizer=case.shard_optimizer,
             shard_gradients=case.shard_gradients,
+            placements=dict(case.placements) or None,
         )
         plan = plans[base] = pm.plan
         if case.memory is None:
