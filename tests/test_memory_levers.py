@@ -28,7 +28,7 @@ from samples.gpt import GPT, GPTConfig, example_batch
 ROLES = ("dp", "fsdp", "tp")
 POLICIES = ("none", "selective", "full")
 REL = 1e-6  # the ILP's relative gap is 1e-7
-CANDIDATES_REL = 1e-2  # module docstring of `search.intra_op`: the candidates are ILP optima
+CANDIDATES_REL = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -148,9 +148,7 @@ def test_auto_never_loses_to_a_pinned_lever(setting) -> None:
             if limit is None or p.predicted_peak_memory <= limit
         ]
         # the search ranks a few ILP optima by the overlapped step (`search.intra_op`): a
-        # candidate set, not the overlapped step's optimum, so within 1% of every pin (the
-        # ILP bound prefers weights sharded on their input dim, 4.34 against FSDP's 4.63 ms;
-        # the overlapped step FSDP's, 3.441 against 3.468 ms)
+        # candidate set, not the overlapped step's optimum, so within 0.1% of every pin
         assert auto.predicted_step_time <= min(fits) * (1 + CANDIDATES_REL)
     none = plan(activation_checkpointing="none", reshard_after_forward=False)
     assert plan().predicted_step_time == none.predicted_step_time  # ample memory: no lever

@@ -10,8 +10,6 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from torch.distributed.tensor import Partial
-
 from autopar.cluster import Cluster
 from autopar.cost_models import comm
 
@@ -26,12 +24,15 @@ def same_spec(src, dst) -> bool:
 def reshard_seconds(cluster: Cluster, src, dst, shape, itemsize) -> float:
     """Seconds of moving a value of `shape` from spec `src` to `dst` as lowering does
     (`comm.redistribute_time`, plus one link latency per collective for its launch); inf
-    where lowering cannot (into a Partial but from Replicate, a re-split strided shard)."""
-    src = _kept_partial(src, dst)
-    if src is None:
-        return math.inf  # into a Partial from a shard or another Partial: forbidden pair
+    where DTensor cannot (into a Partial, a re-split strided shard)."""
     if same_spec(src, dst):
         return 0.0
+    if any(b.is_partial() and not a.is_partial() for a, b in zip(src, dst, strict=True)):
+        return math.inf  # DTensor does not redistribute into Partial: forbidden pair
+    # a Partial of another kind (the embedding's masked sum) is kept as it is by lowering
+    src = tuple(
+        b if a.is_partial() and b.is_partial() else a for a, b in zip(src, dst, strict=True)
+    )
     seconds = comm.redistribute_time(src, dst, shape, itemsize, cluster)
     if math.isinf(seconds):
         return seconds  # a transition DTensor cannot perform (a re-split strided shard)
@@ -46,32 +47,12 @@ def reshard_seconds(cluster: Cluster, src, dst, shape, itemsize) -> float:
 def reshard_parts(cluster: Cluster, src, dst, shape, itemsize):
     """`comm.redistribute_parts` of the same move: (axis, collective, bytes) per step; ()
     when nothing moves, None where DTensor cannot."""
-    src = _kept_partial(src, dst)
-    if src is None:
-        return None
     if same_spec(src, dst):
         return ()
+    if any(b.is_partial() and not a.is_partial() for a, b in zip(src, dst, strict=True)):
+        return None
+    src = tuple(
+        b if a.is_partial() and b.is_partial() else a for a, b in zip(src, dst, strict=True)
+    )
     parts = comm.redistribute_parts(src, dst, shape, itemsize, cluster)
     return None if parts is None else tuple(parts)
-
-
-def _kept_partial(src, dst):
-    """`src` with the axes where lowering moves no data set to `dst`'s placement: a Partial
-    into a Partial of another kind (the embedding's masked sum, kept as it is), and a
-    Replicate into a sum or average (`passes.lower._ReplicateToPartial`: the value on the
-    axis's first rank and zeros elsewhere, or kept everywhere; its gradient the output's,
-    Replicate: no collective either way; e.g. a row-parallel Linear's bias, added once to
-    the partial sums before their all-reduce), from a value partial on no axis. None where
-    no lowering goes into a Partial."""
-    out, whole = [], not any(a.is_partial() for a in src)
-    for a, b in zip(src, dst, strict=True):
-        if b.is_partial() and not a.is_partial():
-            # a complete value only: the gradient is redistributed back to `src`, and
-            # DTensor refuses Replicate -> Partial there
-            if not (whole and a.is_replicate() and type(b) is Partial):
-                return None
-            if b.reduce_op not in ("sum", "avg"):
-                return None
-            a = b
-        out.append(b if a.is_partial() and b.is_partial() else a)
-    return tuple(out)

@@ -133,8 +133,7 @@ class PlacedInterpreter(fx.Interpreter):
 class _ReplicateToPartial(torch.autograd.Function):
     """``value`` as the Partial ``want`` asks for on each axis where it is Replicate (a
     complete value entering a pipeline stage whose plan keeps it partial, e.g. a running
-    loss sum; a row-parallel Linear's bias added to the partial sums before their
-    all-reduce, `cost_models.reshard`, which prices it free): a sum keeps the value on the axis's first rank and zeros elsewhere (exact),
+    loss sum): a sum keeps the value on the axis's first rank and zeros elsewhere (exact),
     an average keeps it everywhere. Its gradient is the output's, made Replicate (each
     partial counts once). DTensor refuses the forward step as internal."""
 
