@@ -182,16 +182,8 @@ class _Pricer:
             (nxt.accumulates and (nxt.dp, nxt.tp) not in self.pressed) or self.bound(nxt) >= bar
         ):
             nxt = self.following.get(nxt)
-        if nxt is None:
-            return
-        rows = self.batch[0].shape[0]
-        tpl = self.template(microbatch_rows(rows, nxt.microbatches)[0])
-        cluster = nxt.cluster(self.cluster)
-        mesh = shape_only_mesh("cpu", cluster.mesh_shape, cluster.axis_names)
-        pipeline = None
-        if nxt.pp > 1 or nxt.accumulates:
-            pipeline = PipelineOptions(nxt.microbatches, None, rows=rows)
-        prepare_on_template(tpl, cluster, mesh, self.options, pipeline)
+        if nxt is not None:
+            prepare_on_template(*self._problem(nxt), self.options, self._pipeline(nxt))
 
     def bound(self, layout: Layout) -> float:
         """A lower bound of `layout`'s step time: its ranks do M microbatches of compute,
@@ -206,21 +198,31 @@ class _Pricer:
     ) -> tuple[float, float, Layout]:
         """(step seconds, peak bytes, the layout with its schedule); ValueError if none fits,
         `Dominated` if a pipeline's stages cannot beat `bar` (then no schedule is priced)."""
-        rows = self.batch[0].shape[0]
-        tpl = self.template(microbatch_rows(rows, layout.microbatches)[0])  # the largest
-        cluster = layout.cluster(self.cluster)
-        # shapes only: a mesh without process groups prices any device's plan, and rank 0
-        # of a running job can build meshes the other ranks never do
-        mesh = shape_only_mesh("cpu", cluster.mesh_shape, cluster.axis_names)
-        if layout.pp == 1 and not layout.accumulates:
+        tpl, cluster, mesh = self._problem(layout)
+        pipeline = self._pipeline(layout, schedule, bar)
+        if pipeline is None:
             result = solve_on_template(tpl, cluster, mesh, self.options, None)
             if any(result.memory_plan):
                 self.pressed.add((layout.dp, layout.tp))
             return result.step_time, result.memory, layout
-        pipeline = PipelineOptions(layout.microbatches, schedule, rows=rows, bar=bar)
         result, best, _ = solve_on_template(tpl, cluster, mesh, self.options, pipeline)
         chosen = Layout(layout.pp, layout.dp, layout.tp, layout.microbatches, best.schedule)
         return best.step_time, best.peak_memory, chosen
+
+    def _problem(self, layout: Layout) -> tuple[Template, Cluster, object]:
+        """(template at the largest microbatch's shape, cluster, mesh) `layout` is priced on;
+        the mesh has shapes only: it prices any device's plan, and rank 0 of a running job
+        can build meshes the other ranks never do."""
+        tpl = self.template(microbatch_rows(self.batch[0].shape[0], layout.microbatches)[0])
+        cluster = layout.cluster(self.cluster)
+        return tpl, cluster, shape_only_mesh("cpu", cluster.mesh_shape, cluster.axis_names)
+
+    def _pipeline(self, layout: Layout, schedule=None, bar: float = math.inf):
+        """The pipeline `layout` is priced as (None: no pipeline, the whole batch at once)."""
+        if layout.pp == 1 and not layout.accumulates:
+            return None
+        rows = self.batch[0].shape[0]
+        return PipelineOptions(layout.microbatches, schedule, rows=rows, bar=bar)
 
 
 def candidate_layouts(
