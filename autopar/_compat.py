@@ -300,6 +300,30 @@ def dtensor_spec(dt: DTensor) -> DTensorSpec:
     return dt._spec
 
 
+def strided_shards_as_split(dt: torch.Tensor) -> torch.Tensor:
+    """``dt`` with its ``_StridedShard`` placements read as ``from_local`` reads them (same
+    local tensor, no communication). DTensor's view propagation marks a strided shard it
+    makes from a flattened split (a fused projection's q, k, v gradients stacked back) as
+    "a regular Shard" (``use_strided_shard_as_shard_order=False``); its matmul strategies
+    then do not match it against a parameter's ``_StridedShard`` of the same split, and
+    gather both to compute the whole product instead of a partial one."""
+    if not isinstance(dt, DTensor):
+        return dt
+    spec = dt._spec
+    if spec.use_strided_shard_as_shard_order is not False or not any(
+        isinstance(p, StridedShard) for p in spec.placements
+    ):
+        return dt
+    return DTensor.from_local(
+        dt._local_tensor,
+        spec.mesh,
+        spec.placements,
+        run_check=False,
+        shape=dt.shape,
+        stride=dt.stride(),
+    )
+
+
 def is_mask_partial(p: Placement) -> bool:
     """``p`` is DTensor's masked partial sum (the vocab-parallel embedding's output)."""
     return isinstance(p, MaskPartial)

@@ -271,7 +271,7 @@ def profile_steps(n: int, fwd_bwd, opt_step, rank: int) -> dict | None:
                     opt_step()
     comm = compute = 0.0
     comm_calls = aten_calls = 0
-    phases, comm_events = {}, {}
+    phases, comm_events, compute_events = {}, {}, {}
     for ev in prof.key_averages():
         name = ev.key
         if name.startswith("bench::"):
@@ -287,6 +287,7 @@ def profile_steps(n: int, fwd_bwd, opt_step, rank: int) -> dict | None:
         elif name.startswith("aten::"):
             compute += ev.self_cpu_time_total
             aten_calls += ev.count
+            compute_events[name] = (ev.count / n, round(ev.self_cpu_time_total / n / 1e3, 2))
     step = phases.get("step", 0.0)
     comm_ms, compute_ms = comm / n / 1e3, compute / n / 1e3
     return {
@@ -299,6 +300,7 @@ def profile_steps(n: int, fwd_bwd, opt_step, rank: int) -> dict | None:
         "comm_calls_per_step": comm_calls / n,
         "aten_calls_per_step": aten_calls / n,  # dispatched ops (nested ones included)
         "comm_events": comm_events,  # name -> (calls per step, self ms per step)
+        "compute_events": compute_events,  # the same, aten ops
     }
 
 
@@ -395,6 +397,13 @@ def print_profile(results: list[dict]) -> None:
         if p:
             top = sorted(p["comm_events"].items(), key=lambda kv: -kv[1][1])[:5]
             text = ", ".join(f"{k} {c:g}x {ms:.1f}" for k, (c, ms) in top)
+            print(f"  {r['family']:5s} {r['impl']:8s} {text}")
+    print("\ncompute events (calls/step, self ms/step), largest first:")
+    for r in results:
+        p = r.get("profile")
+        if p:
+            top = sorted(p["compute_events"].items(), key=lambda kv: -kv[1][1])[:8]
+            text = ", ".join(f"{k[6:]} {c:g}x {ms:.1f}" for k, (c, ms) in top)
             print(f"  {r['family']:5s} {r['impl']:8s} {text}")
 
 

@@ -77,3 +77,39 @@ def test_fsdp_beside_heads_shards_the_fused_weight_on_its_other_dim() -> None:
     plan = autopar.plan(model, batch, cluster=cluster, strategy=("fsdp", "tp"))
     specs = {t.name.rsplit("_", 1)[-1]: t.spec for t in plan.tensors if "c_attn" in t.name}
     assert specs == {"weight": "S(1),SS(0:3)", "bias": "R,SS(0:3)"}, specs
+
+
+def test_the_fused_projections_input_gradient_stays_partial_at_run_time() -> None:
+    """Lowered, the column-parallel QKV's backward runs on each rank's heads as priced: its
+    input gradient is a partial product of the strided gradient and the strided weight (one
+    all-reduce), not both gathered and un-permuted to compute the whole product."""
+    import torch.distributed as dist
+
+    from autopar._compat import FakeStore
+    from autopar.options import PlanOptions
+    from autopar.passes.comm import OFF
+    from autopar.planning import plan_for_ranks
+    from autopar.runtime.parallel_model import ParallelModel
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model, batch = load_model("gpt", "tiny", 8)[:2]
+        cluster = Cluster.preset("cpu", mesh=(2,), axis_names=("tp",))
+        plan, captured, mesh = plan_for_ranks(
+            model, batch, cluster, None, PlanOptions(strategy="tp"), None
+        )
+        assert {t.spec for t in plan.tensors if "c_attn_weight" in t.name} == {"SS(0:3)"}
+        gm = ParallelModel(model, captured, plan, mesh, comm=OFF).program.gm
+    finally:
+        dist.destroy_process_group()
+    fused = 3 * model.config.n_embd
+    gathers = [
+        n
+        for n in gm.graph.nodes
+        if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default
+    ]
+    assert gathers  # the vocabulary-parallel embedding and head still gather
+    for n in gathers:  # none of the fused dim's halves
+        assert fused // 2 not in n.args[0].meta["val"].shape, n.args[0].meta["val"].shape
+    permutes = [n for n in gm.graph.nodes if n.target is aten.index_select.default]
+    assert not [n for n in permutes if fused in n.meta["val"].shape], permutes

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+from torch.distributed.tensor import Partial
+
 from autopar.cluster import Cluster
 from autopar.cost_models import comm
 
@@ -21,18 +23,16 @@ def same_spec(src, dst) -> bool:
 
 
 @lru_cache(maxsize=200_000)
-def reshard_seconds(cluster: Cluster, src, dst, shape, itemsize) -> float:
+def reshard_seconds(cluster: Cluster, src, dst, shape, itemsize, into_partial=False) -> float:
     """Seconds of moving a value of `shape` from spec `src` to `dst` as lowering does
     (`comm.redistribute_time`, plus one link latency per collective for its launch); inf
-    where DTensor cannot (into a Partial, a re-split strided shard)."""
+    where lowering cannot (a re-split strided shard; into a Partial, but from Replicate
+    where `into_partial`: see `_kept_partial`)."""
+    src = _kept_partial(src, dst, into_partial)
+    if src is None:
+        return math.inf  # lowering does not redistribute into this Partial: forbidden pair
     if same_spec(src, dst):
         return 0.0
-    if any(b.is_partial() and not a.is_partial() for a, b in zip(src, dst, strict=True)):
-        return math.inf  # DTensor does not redistribute into Partial: forbidden pair
-    # a Partial of another kind (the embedding's masked sum) is kept as it is by lowering
-    src = tuple(
-        b if a.is_partial() and b.is_partial() else a for a, b in zip(src, dst, strict=True)
-    )
     seconds = comm.redistribute_time(src, dst, shape, itemsize, cluster)
     if math.isinf(seconds):
         return seconds  # a transition DTensor cannot perform (a re-split strided shard)
@@ -44,15 +44,35 @@ def reshard_seconds(cluster: Cluster, src, dst, shape, itemsize) -> float:
 
 
 @lru_cache(maxsize=200_000)
-def reshard_parts(cluster: Cluster, src, dst, shape, itemsize):
+def reshard_parts(cluster: Cluster, src, dst, shape, itemsize, into_partial=False):
     """`comm.redistribute_parts` of the same move: (axis, collective, bytes) per step; ()
-    when nothing moves, None where DTensor cannot."""
+    when nothing moves, None where lowering cannot."""
+    src = _kept_partial(src, dst, into_partial)
+    if src is None:
+        return None
     if same_spec(src, dst):
         return ()
-    if any(b.is_partial() and not a.is_partial() for a, b in zip(src, dst, strict=True)):
-        return None
-    src = tuple(
-        b if a.is_partial() and b.is_partial() else a for a, b in zip(src, dst, strict=True)
-    )
     parts = comm.redistribute_parts(src, dst, shape, itemsize, cluster)
     return None if parts is None else tuple(parts)
+
+
+def _kept_partial(src, dst, into_partial):
+    """`src` with the axes where lowering moves no data set to `dst`'s placement, or None
+    where it cannot go into `dst`'s Partials. A Partial into a Partial of another kind (the
+    embedding's masked sum) is kept as it is. A Replicate goes into a sum or an average
+    only where `into_partial` (a Linear's bias, `addmm`'s first input: a row-parallel
+    Linear adds it once to the partial sums before their all-reduce) and the value is partial on
+    no axis: `passes.lower._ReplicateToPartial` keeps it on the axis's first rank and
+    zeros elsewhere (or everywhere for an average), and its gradient comes back
+    Replicate; a value partial on another axis would need its gradient redistributed
+    into a Partial, which DTensor refuses."""
+    out, whole = [], not any(a.is_partial() for a in src)
+    for a, b in zip(src, dst, strict=True):
+        if b.is_partial() and not a.is_partial():
+            if not (into_partial and whole and a.is_replicate() and type(b) is Partial):
+                return None
+            if b.reduce_op not in ("sum", "avg"):
+                return None
+            a = b
+        out.append(b if a.is_partial() and b.is_partial() else a)
+    return tuple(out)

@@ -114,9 +114,10 @@ class _EdgeValue:
     itemsize: int
     weight: bool  # a parameter gradient (`CostContext.is_weight`)
     memo_weight: bool  # the gradient's size depends on `weight` (mixed precision)
+    into_partial: bool  # a Linear's bias: may enter a Partial (`reshard._kept_partial`)
 
     @staticmethod
-    def of(ctx: CostContext, op: Operand, val: torch.Tensor) -> _EdgeValue:
+    def of(ctx: CostContext, op: Operand, val: torch.Tensor, v: fx.Node, pos: int) -> _EdgeValue:
         weight = ctx.is_weight(op.producer)
         return _EdgeValue(
             val.shape,
@@ -125,6 +126,7 @@ class _EdgeValue:
             val.element_size(),
             weight,
             bool(ctx.reduce_itemsize) and weight,
+            weight and pos == 0 and v.target is torch.ops.aten.addmm.default,
         )
 
 
@@ -355,7 +357,7 @@ class CostContext:
         val = op.tensor
         if val is None:
             return 0.0, 0.0
-        return self._parts_of(_EdgeValue.of(self, op, val), src, s, pos)
+        return self._parts_of(_EdgeValue.of(self, op, val, v, pos), src, s, pos)
 
     def edge_part_matrices(
         self, op: Operand, srcs: list, v: fx.Node, ss: list[NodeStrategy], pos: int
@@ -371,7 +373,7 @@ class CostContext:
             if val is None:
                 found = [[(0.0, 0.0)] * len(ss) for _ in srcs]
             else:  # what the operand is, read once for the whole matrix
-                edge = _EdgeValue.of(self, op, val)
+                edge = _EdgeValue.of(self, op, val, v, pos)
                 found = [[self._parts_of(edge, src, s, pos) for s in ss] for src in srcs]
             self._matrices[key] = found
         return found
@@ -382,13 +384,13 @@ class CostContext:
             return 0.0, 0.0
         # by identity (placements hash in Python); `_alive` holds every object keyed by
         # its id, so no id is reused while the memo lives
-        key = (id(s), pos, id(src), edge.shape, edge.dtype, edge.memo_weight)
+        key = (id(s), pos, id(src), edge.shape, edge.dtype, edge.memo_weight, edge.into_partial)
         found = self._parts.get(key)
         if found is None:  # by content: the same specs of another node (a repeated block's)
             self._alive[id(s)], self._alive[id(src)] = s, src
             grad = self._grad_spec_at_consumer(dst, s)  # all `_edge_parts` reads of `s`
             specs = (self._spec_number(src), self._spec_number(dst), self._spec_number(grad))
-            content = (*specs, edge.dims, edge.itemsize, edge.memo_weight)
+            content = (*specs, edge.dims, edge.itemsize, edge.memo_weight, edge.into_partial)
             found = self._priced.get(content)
             if found is None:
                 found = self._priced[content] = self._edge_parts(edge, tuple(src), s, dst)
@@ -413,8 +415,8 @@ class CostContext:
             # a weight's gradient not reduced by a forward gather's backward reaches the
             # parameter partial and is reduced there, in reduce_dtype (`passes.precision`)
             grad_size = self.reduce_itemsize
-        fwd = self._redistribute(src, tuple(dst), edge.dims, size)
-        bwd = self._redistribute(grad_dst, grad_src, edge.dims, grad_size)
+        fwd = self._redistribute(src, tuple(dst), edge.dims, size, edge.into_partial)
+        bwd = self._redistribute(grad_dst, grad_src, edge.dims, grad_size, False)
         return fwd, bwd
 
     def _grad_source(self, src: tuple) -> tuple:
@@ -475,12 +477,12 @@ class CostContext:
             )
         return tuple(out)
 
-    def _redistribute(self, src, dst, shape, itemsize) -> float:
-        key = (src, dst, shape, itemsize)
+    def _redistribute(self, src, dst, shape, itemsize, into_partial) -> float:
+        key = (src, dst, shape, itemsize, into_partial)
         found = self._redistributed.get(key)
         if found is None:
             found = self._redistributed[key] = reshard_seconds(
-                self.cluster, src, dst, shape, itemsize
+                self.cluster, src, dst, shape, itemsize, into_partial
             )
         return found
 
