@@ -54,7 +54,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.cluster import Cluster, DeviceSpec, Fabric, Link
-from autopar.cost_models.comm import Collective, algorithm_factors
+from autopar.cost_models.comm import Collective, algorithm_factors, volume_kind
 from autopar.devices import choose_backend, free_port, init_rank, process_group_device
 
 __all__ = ["SIZES", "calibrate", "write_calibration"]
@@ -158,10 +158,14 @@ def _fit_link(rows: list[list[Any]], n: int, backend: str) -> Link:
     `comm.send_recv_time`. Ratios, so that small messages weigh as much as large ones and
     a latency-bound backend (gloo on a CPU: ~1 ms a step) is not fit as a bandwidth-bound
     one. (alpha, x) and the fractions are fit in turn, twice, on grids (`_grid_min`); the
-    fastest kind's fraction is 1 (it defines ``beta``)."""
+    fastest kind's fraction is 1 (it defines ``beta``). A kind the cost model prices as
+    another on ``backend`` (gloo: the all-to-all as DTensor runs it, an all-gather) is left
+    out: its own call is not what runs."""
     terms, kinds = [], []  # per row: (latency coefficient, byte coefficient) per algorithm
     for kind, nbytes, seconds in rows:
         if seconds <= 0 or (kind != "p2p" and n == 1):
+            continue
+        if kind != "p2p" and volume_kind(Collective(kind), backend).value != kind:
             continue
         if kind == "p2p":
             algos = [(1.0, float(nbytes))]

@@ -116,9 +116,14 @@ PRESETS: dict[str, _Preset] = {
     ),
     # This CPU box with gloo: every axis, inside or across "nodes", gets the same slow link.
     # Its figures are rough achieved rates already; `autopar calibrate` measures real ones.
+    # gloo's all-gather and reduce-scatter move their bytes far slower than its all-reduce
+    # (`autopar calibrate --nproc 4` on a 2-core box: bus bandwidth 0.096 and 0.058 of the
+    # fitted line rate against the all-reduce's 0.58, the all-to-all's 0.58): priced alike,
+    # a TP plan on gloo reduce-scatters and all-gathers where all-reducing is faster.
     "cpu": _Preset(
         DeviceSpec("cpu", {"float32": 50e9, "bfloat16": 25e9, "float16": 25e9}, 24e9, 20e9),
-        Link(1e9, 50e-6), math.inf, 50e-6, None, "gloo", "cpu",
+        Link(1e9, 50e-6, kind_efficiency=(("all_gather", 0.17), ("reduce_scatter", 0.1))),
+        math.inf, 50e-6, None, "gloo", "cpu",
     ),
 }  # fmt: skip
 

@@ -367,6 +367,8 @@ def _synthetic(grads=(), layer_forward: float | None = None, pre: float = 0.0):
     """Four identical layers (forward f, backward 2f, one weight gather of 1 MiB taking g
     seconds, and `grads`) after a compute-only embedding of `pre` x g seconds, on pp=2 x
     dp=2; f = `layer_forward`, or g (a gather hides under one layer's forward)."""
+    from dataclasses import replace
+
     from autopar.cluster import Cluster
     from autopar.cost_models.buckets import collective_times
     from autopar.plan import DEFAULT_COMM
@@ -374,6 +376,9 @@ def _synthetic(grads=(), layer_forward: float | None = None, pre: float = 0.0):
     from autopar.search.step import Part
 
     cluster = Cluster.preset("cpu", mesh=(2, 2), axis_names=("pp", "dp"))
+    # every collective kind at the link's rate (the preset prices gloo's slower ones)
+    links = tuple(replace(link, kind_efficiency=()) for link in cluster.links)
+    cluster = replace(cluster, links=links, fabric=None)
     gather = [(("ag",), "all_gather", 0, 2.0**20)]
     g = collective_times(gather, stage_cluster(cluster))
     f = g if layer_forward is None else layer_forward

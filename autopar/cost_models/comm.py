@@ -18,8 +18,8 @@ reduce-scatter input, the all-to-all's global tensor over this axis)::
 
 On a process group whose tensors live on the CPU (gloo), DTensor has no all-to-all and runs
 ``Shard(i) -> Shard(j)`` as an all-gather followed by a local chunk (it logs "CPU process
-group does not support alltoall yet"), so there ``all_to_all`` is priced with the all-gather
-factors (``volume_kind``).
+group does not support alltoall yet"), so there ``all_to_all`` is priced as the all-gather
+(``volume_kind``: its factors and its bandwidth).
 
 ``n == 1`` or ``B == 0`` cost 0. The volume factors are NCCL's "bus bandwidth" conventions,
 so ``beta`` is what nccl-tests report as busbw: the link's line rate times the efficiency
@@ -129,7 +129,7 @@ def collective_time(
     if n == 1 or nbytes <= 0 or kind is Collective.LOCAL:
         return 0.0
     link = cluster.link(axis)
-    beta = link.kind_bandwidth(kind.value)
+    beta = link.kind_bandwidth(volume_kind(kind, cluster.backend).value)
     return min(
         steps * link.latency + volume * float(nbytes) / beta
         for steps, volume in algorithm_factors(kind, n, cluster.backend)
