@@ -22,6 +22,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+import autopar
 from autopar.cluster import PRESETS, Cluster, DeviceSpec, Fabric, Link
 from autopar.cost_models import buckets, comm, compute
 from autopar.cost_models.comm import Collective, collective_time
@@ -310,3 +311,23 @@ def test_optimizer_update_grows_with_what_a_device_updates(cluster: Cluster) -> 
         assert update_time(shape, torch.float32, rep, mesh, cluster, 0) <= full
         bf16 = update_time(shape, torch.bfloat16, rep, mesh, cluster)
         assert update_time(shape, torch.bfloat16, rep, mesh, cluster, 2, False, True) >= bf16
+
+
+def test_auto_never_loses_to_a_pinned_role_on_a_gloo_like_cluster() -> None:
+    """Where gathers and reductions cost very differently (gloo as `autopar calibrate` fits
+    it, a slow optimizer update), the ILP's bound (every collective waited) prefers plans
+    whose collectives cannot overlap: the candidate whose gradient reductions lean on the
+    overlap but whose gathers do not (`intra_op.DP_SCALES`) is DP's, which the overlapped
+    step ranks first."""
+    from autopar.cli.sources import load_model
+
+    kinds = (("all_gather", 0.1), ("all_reduce", 0.58), ("reduce_scatter", 0.06))
+    cpu = Cluster.preset("cpu", mesh=(4,), axis_names=("dp",))
+    flops = {"float32": 54e9, "bfloat16": 25e9, "float16": 25e9}
+    device = replace(cpu.device, peak_flops=flops, memory_bandwidth=2.6e9)
+    cluster = replace(cpu, device=device, links=(Link(3.6e9, 1e-3, kind_efficiency=kinds),))
+    model, batch = load_model("gpt", "small", 16, seed=0)[:2]
+    auto = autopar.plan(model, batch, cluster=cluster).predicted_step_time
+    for role in ("dp", "fsdp", "tp"):
+        pinned = autopar.plan(model, batch, cluster=cluster, strategy=role).predicted_step_time
+        assert auto <= pinned * (1 + 1e-3), (role, auto, pinned)

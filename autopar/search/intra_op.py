@@ -34,7 +34,8 @@ candidates are compared by the step as the runtime runs it (`search.step`, the o
 - the ILP's optimum for each pair of scales in `COMM_SCALES` of the weight edges' costs
   (gathers: the FSDP all-gathers and their re-gathers; gradient reductions: what the pass
   overlaps; (1, 1) is the plain bound, smaller ones ask for the plan that leans on the
-  overlap: prefetched gathers hide but the first, a bucketed reduction hides but its tail);
+  overlap: prefetched gathers hide but the first, a bucketed reduction hides but its tail;
+  and `DP_SCALES`, DP's, where gathers are dearer per byte than all-reduces);
 - each of those with its levers swapped, the same choice on every layer, for every lever
   choice the pins allow whose memory fits (`ilp_problem.evaluate`).
 
@@ -88,6 +89,10 @@ from autopar.search.to_plan import assemble_plan
 # ranked by the overlapped step: the bound; gathers prefetched (hidden but the first) with
 # the gradients' tail exposed; both mostly hidden
 COMM_SCALES: tuple[tuple[float, float], ...] = ((1.0, 1.0), (0.1, 1.0), (0.1, 0.1))
+# and where a link moves a gather's bytes slower than an all-reduce's (gloo): the
+# reductions mostly hidden and the gathers not, DP's plan, which the bound can rank below
+# plans whose activation collectives never overlap
+DP_SCALES = (1.0, 0.1)
 
 
 def price(
@@ -308,11 +313,22 @@ def _prepared_key(captured, cluster, mesh, options, weights, memory_limit, comm)
             memory_limit, repr(comm))  # fmt: skip
 
 
+def comm_scales(cluster: Cluster) -> tuple[tuple[float, float], ...]:
+    """`COMM_SCALES`, and `DP_SCALES` where some axis gathers slower than it all-reduces."""
+    dear = any(
+        link.kind_bandwidth("all_gather") < link.kind_bandwidth("all_reduce")
+        for link in cluster.links
+    )
+    return (*COMM_SCALES, DP_SCALES) if dear else COMM_SCALES
+
+
 def _prepare(captured, cluster, mesh, options, weights, memory_limit, comm):
     with phase("strategies"):
         strats = enumerate_strategies(captured.gm, mesh)
         strats = apply_pins(captured, strats, options, mesh)
-    scales = COMM_SCALES if comm is not None and cluster.world_size > 1 else COMM_SCALES[:1]
+    scales = (
+        comm_scales(cluster) if comm is not None and cluster.world_size > 1 else COMM_SCALES[:1]
+    )
     with phase("costs"):
         built = _build_problem(captured, cluster, strats, options, weights, memory_limit, scales)
     return strats, scales, built
