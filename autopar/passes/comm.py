@@ -87,6 +87,7 @@ import torch.fx as fx
 
 from autopar._compat import merge_collective_bucket
 from autopar.passes.recompute import PHASE, RECOMPUTED, is_backward, layer_of
+from autopar.passes.shape_reads import unchain_shape_reads
 from autopar.plan import CommPlan
 
 MIB = 1024 * 1024
@@ -155,6 +156,7 @@ def optimize_comm(
     if options.bucket and before:
         sizes = _bucket(gm.graph, options)
     if options.overlap and before:
+        unchain_shape_reads(gm.graph)  # `ones_like(loss)` waits on no loss all-reduce
         _schedule(gm.graph)
     gm.graph.lint()
     gm.recompile()
