@@ -391,19 +391,19 @@ def print_profile(results: list[dict]) -> None:
             f"{p['other_ms']:8.1f} {p['comm_calls_per_step']:6.0f} "
             f"{r.get('program_collectives', ''):>8} {p['aten_calls_per_step']:9.0f}"
         )
-    print("\ncollective events (calls/step, self ms/step), largest first:")
+    _print_events(results, "collective", "comm_events", 5)
+    _print_events(results, "compute", "compute_events", 8)
+
+
+def _print_events(results: list[dict], what: str, key: str, top: int) -> None:
+    print(f"\n{what} events (calls/step, self ms/step), largest first:")
     for r in results:
         p = r.get("profile")
         if p:
-            top = sorted(p["comm_events"].items(), key=lambda kv: -kv[1][1])[:5]
-            text = ", ".join(f"{k} {c:g}x {ms:.1f}" for k, (c, ms) in top)
-            print(f"  {r['family']:5s} {r['impl']:8s} {text}")
-    print("\ncompute events (calls/step, self ms/step), largest first:")
-    for r in results:
-        p = r.get("profile")
-        if p:
-            top = sorted(p["compute_events"].items(), key=lambda kv: -kv[1][1])[:8]
-            text = ", ".join(f"{k[6:]} {c:g}x {ms:.1f}" for k, (c, ms) in top)
+            largest = sorted(p[key].items(), key=lambda kv: -kv[1][1])[:top]
+            text = ", ".join(
+                f"{k.removeprefix('aten::')} {c:g}x {ms:.1f}" for k, (c, ms) in largest
+            )
             print(f"  {r['family']:5s} {r['impl']:8s} {text}")
 
 
