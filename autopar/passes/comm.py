@@ -87,7 +87,7 @@ import torch.fx as fx
 
 from autopar._compat import merge_collective_bucket
 from autopar.passes.recompute import PHASE, RECOMPUTED, is_backward, layer_of
-from autopar.passes.shape_reads import unchain_shape_reads
+from autopar.passes.shape_reads import WAITS, unchain_shape_reads
 from autopar.plan import CommPlan
 
 MIB = 1024 * 1024
@@ -95,7 +95,6 @@ _F = torch.ops._c10d_functional
 ALL_REDUCE = _F.all_reduce.default
 REDUCE_SCATTER = _F.reduce_scatter_tensor.default
 ALL_GATHER = _F.all_gather_into_tensor.default
-WAITS = (_F.wait_tensor.default, torch.ops.c10d_functional.wait_tensor.default)
 # ops that only re-label a result (the split views of a bucket, reshapes): they sink with
 # the wait they read
 VIEWS = {

@@ -219,17 +219,19 @@ class _ShardSafeView(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = _contiguous_local(grad)
-        if isinstance(grad, DTensor) and not grad.is_contiguous():
-            try:  # a gradient laid out otherwise globally (einsum's bmm) may still view
-                return strided_shards_as_split(
-                    torch.ops.aten.view.default(grad, ctx.in_shape)
-                ), None
-            except RuntimeError:  # DTensor's propagation refuses: copy to a contiguous one
-                grad = torch.ops.aten._to_copy.default(grad, memory_format=torch.contiguous_format)
         # a fused projection's gradient flattened back: strided as its weight is, so that
         # its matmuls stay partial (column-parallel QKV's input gradient)
-        return strided_shards_as_split(torch.ops.aten.view.default(grad, ctx.in_shape)), None
+        return strided_shards_as_split(_view_back(grad, ctx.in_shape)), None
+
+
+def _view_back(grad, shape):
+    grad = _contiguous_local(grad)
+    if isinstance(grad, DTensor) and not grad.is_contiguous():
+        try:  # a gradient laid out otherwise globally (einsum's bmm) may still view
+            return torch.ops.aten.view.default(grad, shape)
+        except RuntimeError:  # DTensor's propagation refuses: copy to a contiguous one
+            grad = torch.ops.aten._to_copy.default(grad, memory_format=torch.contiguous_format)
+    return torch.ops.aten.view.default(grad, shape)
 
 
 def _wrap(local: torch.Tensor, spec, shape: Sequence[int], mesh: DeviceMesh) -> DTensor:

@@ -19,6 +19,7 @@ import torch.fx as fx
 
 aten = torch.ops.aten
 _F = torch.ops._c10d_functional
+# a functional collective's wait (`passes.comm` reads the same)
 WAITS = (_F.wait_tensor.default, torch.ops.c10d_functional.wait_tensor.default)
 # factory -> the fill value it makes (`empty_like`'s values are undefined: zeros do)
 FILLS = {aten.ones_like.default: 1, aten.zeros_like.default: 0, aten.empty_like.default: 0}

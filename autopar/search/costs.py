@@ -126,8 +126,14 @@ class _EdgeValue:
             val.element_size(),
             weight,
             bool(ctx.reduce_itemsize) and weight,
-            weight and pos == 0 and v.target is torch.ops.aten.addmm.default,
+            weight and enters_partial(v, pos),
         )
+
+
+def enters_partial(v: fx.Node, pos: int) -> bool:
+    """Input `pos` of `v` is a Linear's bias (`addmm`'s first input): a weight there may go
+    from Replicate into a Partial (`cost_models.reshard._kept_partial`)."""
+    return pos == 0 and v.target is torch.ops.aten.addmm.default
 
 
 class CostContext:
@@ -435,8 +441,9 @@ class CostContext:
         val = op.tensor
         if src is None or dst is None or val is None or not self.is_weight(op.producer):
             return []
-        size = val.element_size()
-        parts = reshard_parts(self.cluster, tuple(src), tuple(dst), tuple(val.shape), size) or ()
+        size, shape = val.element_size(), tuple(val.shape)
+        into = enters_partial(v, pos)
+        parts = reshard_parts(self.cluster, tuple(src), tuple(dst), shape, size, into) or ()
         return [((kind, axis, size), kind, axis, b) for axis, kind, b in parts]
 
     def grad_reductions(self, op: Operand, src, v: fx.Node, s: NodeStrategy, pos: int):
