@@ -168,6 +168,7 @@ class CostContext:
         self._numbers: dict[tuple, int] = {}  # spec (placements) -> a number
         self._redistributed: dict[tuple, float] = {}  # `_redistribute` memo
         self._matrices: dict[tuple, list[list[tuple[float, float]]]] = {}
+        self._matrix_content: dict[tuple, list[list[tuple[float, float]]]] = {}  # by specs
         self._grad_specs: dict[tuple[int, int], tuple] = {}
         self._grad_srcs: dict[int, tuple] = {}  # `_grad_source` memo, by id
         self._memories: dict[tuple[fx.Node, int], float] = {}
@@ -371,18 +372,50 @@ class CostContext:
         """`edge_parts` of every (source spec i, consumer strategy j) pair, [i][j],
         memoized per (operand, consumer, position, srcs, ss): the ILPs of several
         weight-edge scales and the levers price the same edges."""
-        key = (op, v, pos, tuple(map(id, srcs)), tuple(map(id, ss)))
+        return self._edge_matrix("parts", op, srcs, v, ss, pos)
+
+    def edge_sync_matrix(
+        self, op: Operand, srcs: list, v: fx.Node, ss: list[NodeStrategy], pos: int
+    ) -> list[list[float]]:
+        """`sync_weight` of every (source spec i, consumer strategy j) pair, [i][j]."""
+        return self._edge_matrix("sync", op, srcs, v, ss, pos)
+
+    def _edge_matrix(self, kind: str, op: Operand, srcs: list, v, ss: list, pos: int):
+        """A matrix of `edge_parts` ("parts") or `sync_weight` ("sync"), memoized by
+        identity and by content (the specs' numbers: another edge with the same specs,
+        shape and kind of value, a repeated block's, reads the same matrix)."""
+        key = (kind, op, v, pos, tuple(map(id, srcs)), tuple(map(id, ss)))
         found = self._matrices.get(key)
         if found is None:
             self._alive.update({id(x): x for x in (*srcs, *ss)})
             val = op.tensor
+            empty = (0.0, 0.0) if kind == "parts" else 1.0
             if val is None:
-                found = [[(0.0, 0.0)] * len(ss) for _ in srcs]
+                found = [[empty] * len(ss) for _ in srcs]
             else:  # what the operand is, read once for the whole matrix
                 edge = _EdgeValue.of(self, op, val, v, pos)
-                found = [[self._parts_of(edge, src, s, pos) for s in ss] for src in srcs]
+                content = (
+                    kind,
+                    tuple(self._spec_number(src) if src is not None else -1 for src in srcs),
+                    tuple(self._consumer_numbers(s, pos) for s in ss),
+                    edge.dims, edge.itemsize, edge.weight, edge.into_partial,
+                )  # fmt: skip
+                found = self._matrix_content.get(content)
+                if found is None and kind == "parts":
+                    found = [[self._parts_of(edge, src, s, pos) for s in ss] for src in srcs]
+                elif found is None:
+                    found = [[self.sync_weight(op, src, v, s, pos) for s in ss] for src in srcs]
+                self._matrix_content[content] = found
             self._matrices[key] = found
         return found
+
+    def _consumer_numbers(self, s: NodeStrategy, pos: int) -> tuple[int, int] | None:
+        """What the prices of an edge read of its consumer's strategy `s`: the numbers of
+        the spec input `pos` wants and of its gradient's there."""
+        dst = s.inputs[pos] if pos < len(s.inputs) else None
+        if dst is None:
+            return None
+        return self._spec_number(dst), self._spec_number(self._grad_spec_at_consumer(dst, s))
 
     def _parts_of(self, edge: _EdgeValue, src, s: NodeStrategy, pos: int):
         dst = s.inputs[pos] if pos < len(s.inputs) else None

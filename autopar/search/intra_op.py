@@ -145,7 +145,7 @@ def _edge_terms(dec: Decisions, rep, index, strats, ctx: CostContext) -> list[tu
             srcs = [ctx.output_spec(op, strats[op.producer][ju]) for ju in map_u]
             ss = [strats[v_node][jv] for jv in v_map]
             weight = ctx.is_weight(op.producer)  # as `CostContext.weighted_edge_cost` counts
-            syncs = [[ctx.sync_weight(op, src, v_node, s, pos) for s in ss] for src in srcs]
+            syncs = ctx.edge_sync_matrix(op, srcs, v_node, ss, pos)
             parts_of = ctx.edge_part_matrices(op, srcs, v_node, ss, pos)
             terms.append((key, weight, ctx.weights.of(v_node), syncs, parts_of))
     return terms
