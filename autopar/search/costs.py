@@ -63,6 +63,7 @@ from autopar.cost_models.reshard import reshard_parts, reshard_seconds, same_spe
 from autopar.cost_models.ring import ring_attention_time, ring_forward_time
 from autopar.passes.strategies import NodeStrategy, Spec
 from autopar.passes.strategies.rules import attention, random_ops, regions
+from autopar.search.edge_matrices import EdgeMatrices, EdgeValue, enters_partial
 
 aten = torch.ops.aten
 
@@ -104,39 +105,7 @@ class CostWeights:
         return self.layer.get(layer, 1.0) if layer is not None else 1.0
 
 
-@dataclass(frozen=True, slots=True)
-class _EdgeValue:
-    """What the prices of one operand's edges read of its value, read once per matrix."""
-
-    shape: torch.Size
-    dims: tuple[int, ...]
-    dtype: torch.dtype
-    itemsize: int
-    weight: bool  # a parameter gradient (`CostContext.is_weight`)
-    memo_weight: bool  # the gradient's size depends on `weight` (mixed precision)
-    into_partial: bool  # a Linear's bias: may enter a Partial (`reshard._kept_partial`)
-
-    @staticmethod
-    def of(ctx: CostContext, op: Operand, val: torch.Tensor, v: fx.Node, pos: int) -> _EdgeValue:
-        weight = ctx.is_weight(op.producer)
-        return _EdgeValue(
-            val.shape,
-            tuple(val.shape),
-            val.dtype,
-            val.element_size(),
-            weight,
-            bool(ctx.reduce_itemsize) and weight,
-            weight and enters_partial(v, pos),
-        )
-
-
-def enters_partial(v: fx.Node, pos: int) -> bool:
-    """Input `pos` of `v` is a Linear's bias (`addmm`'s first input): a weight there may go
-    from Replicate into a Partial (`cost_models.reshard._kept_partial`)."""
-    return pos == 0 and v.target is torch.ops.aten.addmm.default
-
-
-class CostContext:
+class CostContext(EdgeMatrices):
     def __init__(
         self,
         cluster: Cluster,
@@ -164,14 +133,11 @@ class CostContext:
         self._parts: dict[tuple, tuple[float, float]] = {}  # `edge_parts` memo, by id
         self._alive: dict[int, object] = {}  # the objects `_parts` keys by id
         self._priced: dict[tuple, tuple[float, float]] = {}  # `edge_parts` by content
-        self._specs: dict[int, int] = {}  # id of a spec -> its number in `_numbers`
-        self._numbers: dict[tuple, int] = {}  # spec (placements) -> a number
         self._redistributed: dict[tuple, float] = {}  # `_redistribute` memo
-        self._matrices: dict[tuple, list[list[tuple[float, float]]]] = {}
-        self._matrix_content: dict[tuple, list[list[tuple[float, float]]]] = {}  # by specs
         self._grad_specs: dict[tuple[int, int], tuple] = {}
         self._grad_srcs: dict[int, tuple] = {}  # `_grad_source` memo, by id
         self._memories: dict[tuple[fx.Node, int], float] = {}
+        EdgeMatrices.__init__(self)
 
     # ---- graph helpers -------------------------------------------------------------------
     def operands(self, n: fx.Node) -> list[tuple[int, Operand]]:
@@ -364,60 +330,9 @@ class CostContext:
         val = op.tensor
         if val is None:
             return 0.0, 0.0
-        return self._parts_of(_EdgeValue.of(self, op, val, v, pos), src, s, pos)
+        return self._parts_of(EdgeValue.of(self, op, val, v, pos), src, s, pos)
 
-    def edge_part_matrices(
-        self, op: Operand, srcs: list, v: fx.Node, ss: list[NodeStrategy], pos: int
-    ) -> list[list[tuple[float, float]]]:
-        """`edge_parts` of every (source spec i, consumer strategy j) pair, [i][j],
-        memoized per (operand, consumer, position, srcs, ss): the ILPs of several
-        weight-edge scales and the levers price the same edges."""
-        return self._edge_matrix("parts", op, srcs, v, ss, pos)
-
-    def edge_sync_matrix(
-        self, op: Operand, srcs: list, v: fx.Node, ss: list[NodeStrategy], pos: int
-    ) -> list[list[float]]:
-        """`sync_weight` of every (source spec i, consumer strategy j) pair, [i][j]."""
-        return self._edge_matrix("sync", op, srcs, v, ss, pos)
-
-    def _edge_matrix(self, kind: str, op: Operand, srcs: list, v, ss: list, pos: int):
-        """A matrix of `edge_parts` ("parts") or `sync_weight` ("sync"), memoized by
-        identity and by content (the specs' numbers: another edge with the same specs,
-        shape and kind of value, a repeated block's, reads the same matrix)."""
-        key = (kind, op, v, pos, tuple(map(id, srcs)), tuple(map(id, ss)))
-        found = self._matrices.get(key)
-        if found is None:
-            self._alive.update({id(x): x for x in (*srcs, *ss)})
-            val = op.tensor
-            empty = (0.0, 0.0) if kind == "parts" else 1.0
-            if val is None:
-                found = [[empty] * len(ss) for _ in srcs]
-            else:  # what the operand is, read once for the whole matrix
-                edge = _EdgeValue.of(self, op, val, v, pos)
-                content = (
-                    kind,
-                    tuple(self._spec_number(src) if src is not None else -1 for src in srcs),
-                    tuple(self._consumer_numbers(s, pos) for s in ss),
-                    edge.dims, edge.itemsize, edge.weight, edge.into_partial,
-                )  # fmt: skip
-                found = self._matrix_content.get(content)
-                if found is None and kind == "parts":
-                    found = [[self._parts_of(edge, src, s, pos) for s in ss] for src in srcs]
-                elif found is None:
-                    found = [[self.sync_weight(op, src, v, s, pos) for s in ss] for src in srcs]
-                self._matrix_content[content] = found
-            self._matrices[key] = found
-        return found
-
-    def _consumer_numbers(self, s: NodeStrategy, pos: int) -> tuple[int, int] | None:
-        """What the prices of an edge read of its consumer's strategy `s`: the numbers of
-        the spec input `pos` wants and of its gradient's there."""
-        dst = s.inputs[pos] if pos < len(s.inputs) else None
-        if dst is None:
-            return None
-        return self._spec_number(dst), self._spec_number(self._grad_spec_at_consumer(dst, s))
-
-    def _parts_of(self, edge: _EdgeValue, src, s: NodeStrategy, pos: int):
+    def _parts_of(self, edge: EdgeValue, src, s: NodeStrategy, pos: int):
         dst = s.inputs[pos] if pos < len(s.inputs) else None
         if src is None or dst is None:
             return 0.0, 0.0
@@ -436,17 +351,7 @@ class CostContext:
             self._parts[key] = found
         return found
 
-    def _spec_number(self, spec) -> int:
-        """A number per distinct spec, read by the spec object's id (placements hash in
-        Python: a spec is hashed once per object, not once per lookup)."""
-        found = self._specs.get(id(spec))
-        if found is None:
-            self._alive[id(spec)] = spec
-            found = self._numbers.setdefault(tuple(spec), len(self._numbers))
-            self._specs[id(spec)] = found
-        return found
-
-    def _edge_parts(self, edge: _EdgeValue, src, s: NodeStrategy, dst) -> tuple[float, float]:
+    def _edge_parts(self, edge: EdgeValue, src, s: NodeStrategy, dst) -> tuple[float, float]:
         grad_dst = self._grad_spec_at_consumer(dst, s)
         grad_src = self._grad_source(src)
         grad_size = size = edge.itemsize

@@ -350,7 +350,9 @@ def _price_all(
             candidate(layout.key, None)
             continue
         try:
-            with ahead.meanwhile(lambda layout=layout, beat=beat: pricer.prepare_next(layout, beat)):
+            with ahead.meanwhile(
+                lambda layout=layout, beat=beat: pricer.prepare_next(layout, beat)
+            ):
                 found = pricer.price(layout, schedule, beat)
         except Dominated as exc:  # its ILP ran, its schedules did not: a larger count may win
             tried[layout.key] = f"pruned: {exc}"
