@@ -45,6 +45,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autopar.passes.lower",
         "autopar.passes.comm",
         "autopar.passes.shape_reads",
+        "autopar.passes.in_place",
         "autopar.passes.fusion",
         "autopar.passes.stages",
         "autopar.passes.recompute",

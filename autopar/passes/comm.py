@@ -86,6 +86,7 @@ import torch
 import torch.fx as fx
 
 from autopar._compat import merge_collective_bucket
+from autopar.passes.in_place import reduce_in_place
 from autopar.passes.recompute import PHASE, RECOMPUTED, is_backward, layer_of
 from autopar.passes.shape_reads import WAITS, unchain_shape_reads
 from autopar.plan import CommPlan
@@ -157,6 +158,7 @@ def optimize_comm(
     if options.overlap and before:
         unchain_shape_reads(gm.graph)  # `ones_like(loss)` waits on no loss all-reduce
         _schedule(gm.graph)
+    reduce_in_place(gm.graph)  # a fresh bucket is reduced in its own buffer
     gm.graph.lint()
     gm.recompile()
     return CommStats(before, len(_collectives(gm.graph)), tuple(sizes))
@@ -168,7 +170,7 @@ def _collectives(graph: fx.Graph) -> list[fx.Node]:
         n
         for n in graph.nodes
         if n.op == "call_function"
-        and n.target in (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER)
+        and n.target in (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, _F.all_reduce_.default)
         and len(n.users) == 1
         and next(iter(n.users)).target in WAITS
     ]

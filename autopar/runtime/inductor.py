@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from autopar._compat import default_inductor_cache_dir, make_boxed_func
+from autopar.passes.in_place import out_of_place
 
 _CHECKOUT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +40,10 @@ def compile_program(program: Callable) -> Callable:
     """``torch.compile(program, backend="inductor")``, static shapes, the whole graph.
 
     Compilation happens on the first call (inductor needs real inputs' metadata); the
-    program must not break the graph (lowered programs are plain ATen + collectives)."""
+    program must not break the graph (lowered programs are plain ATen + collectives);
+    its in-place all-reduces are made functional again (`passes.in_place.out_of_place`)."""
+    if isinstance(program, torch.fx.GraphModule):
+        program = out_of_place(program)
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     unset = current is None or os.path.abspath(current) == default_inductor_cache_dir()
     if unset and (where := cache_dir()) is not None:
