@@ -18,12 +18,15 @@ aten = torch.ops.aten
 def _program() -> tuple[fx.GraphModule, dict[str, fx.Node]]:
     graph = fx.Graph()
     x, w = graph.placeholder("x"), graph.placeholder("w")
-    fresh = graph.call_function(aten.mm.default, (x, w))
-    viewed = graph.call_function(aten.view.default, (fresh, [16]))
+    base = graph.call_function(aten.mm.default, (x, w))
+    viewed = graph.call_function(aten.view.default, (base, [16]))
+    product = graph.call_function(aten.mm.default, (w, w))
+    product_view = graph.call_function(aten.view.default, (product, [16]))
     shared = graph.call_function(aten.mm.default, (w, x))
     reduces = {
         "fresh": graph.call_function(aten.add.Tensor, (x, w)),  # read by its all-reduce only
-        "view": viewed,  # a view of `fresh` (which its reader `viewed` keeps alive)
+        "fresh view": product_view,  # a view of a fresh value that alone reads it
+        "view": viewed,  # a view of a value read elsewhere too (the output reads `base`)
         "placeholder": x,
         "shared": shared,  # also read by the output
     }
@@ -32,20 +35,22 @@ def _program() -> tuple[fx.GraphModule, dict[str, fx.Node]]:
         reduce = graph.call_function(_F.all_reduce.default, (value, "sum", "0"))
         out[name] = reduce
         reduces[name] = graph.call_function(_F.wait_tensor.default, (reduce,))
-    graph.output((*reduces.values(), shared))
+    graph.output((*reduces.values(), shared, base))
     for n in graph.nodes:
         if n.op != "output":
-            n.meta["val"] = torch.zeros(16) if n in (viewed, out["view"]) else torch.zeros(4, 4)
+            flat = n in (viewed, product_view) or n in (out["view"], out["fresh view"])
+            n.meta["val"] = torch.zeros(16) if flat else torch.zeros(4, 4)
     return fx.GraphModule(torch.nn.Module(), graph), out
 
 
 def test_only_a_fresh_unshared_value_is_reduced_in_place() -> None:
     gm, reduces = _program()
     stats = optimize_comm(gm, DEFAULT)
-    assert reduces["fresh"].target is _F.all_reduce_.default
+    for name in ("fresh", "fresh view"):
+        assert reduces[name].target is _F.all_reduce_.default, name
     for name in ("view", "placeholder", "shared"):
         assert reduces[name].target is _F.all_reduce.default, name
-    assert stats.collectives_after == stats.collectives_before == 4  # in place still counts
+    assert stats.collectives_after == stats.collectives_before == 5  # in place still counts
 
 
 def test_out_of_place_undoes_it_for_torch_compile() -> None:

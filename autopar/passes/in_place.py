@@ -9,7 +9,9 @@ by its all-reduce only: the clone copies the whole buffer once more per step for
 (a 12 MB bucket cost 20 ms of copying per step on 4 gloo processes, more than DDP's whole
 exposed communication). Where the input is a fresh tensor (an op whose result aliases none
 of its inputs) read by the all-reduce alone, the all-reduce becomes `all_reduce_` on it:
-the same values in the same buffer that the clone would have had, one copy less.
+the same values in the same buffer that the clone would have had, one copy less. A
+`view` of such a value that alone reads it counts as fresh (tensor parallelism's
+row-parallel product, reshaped to the activation's shape before its all-reduce).
 
 `torch.compile` functionalizes a program and cannot take the in-place collective
 (an aliasing custom op); `out_of_place(gm)` turns them back before a program is handed to
@@ -24,6 +26,7 @@ import torch
 import torch.fx as fx
 
 _F = torch.ops._c10d_functional
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
 def reduce_in_place(graph: fx.Graph) -> int:
@@ -35,6 +38,9 @@ def reduce_in_place(graph: fx.Graph) -> int:
             continue
         x = n.args[0]
         if not isinstance(x, fx.Node) or len(x.users) != 1 or not _fresh(x):
+            continue
+        val = x.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not val.is_contiguous():
             continue
         n.target = _F.all_reduce_.default
         rewritten += 1
@@ -53,9 +59,13 @@ def out_of_place(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _fresh(x: fx.Node) -> bool:
-    """`x` is a tensor an op made anew (no view or alias of another value)."""
+    """`x` is a tensor an op made anew (no view or alias of another value), or a view of
+    one that nothing else reads."""
     if x.op != "call_function":
         return False
+    if x.target in _VIEWS:
+        base = x.args[0]
+        return isinstance(base, fx.Node) and len(base.users) == 1 and _fresh(base)
     index = 0
     if x.target is operator.getitem:
         x, index = x.args[0], x.args[1]
