@@ -31,11 +31,13 @@ from torch.distributed.tensor.placement_types import Placement
 from autopar._compat import StridedShard, is_mask_partial
 
 # 2: `fusion` is the mode, the regions are `fused_regions`; 3: `comm`, and
-# `predicted_step_time` is the overlapped step (version 2 recorded the ILP's bound there)
-SCHEMA_VERSION = 3
+# `predicted_step_time` is the overlapped step (version 2 recorded the ILP's bound there);
+# 4: nodes named in graph order (`capture.export._renumbered`)
+SCHEMA_VERSION = 4
 _OLDER = {
     1: "version 1 recorded fusion as a list of regions",
     2: "version 2 recorded no communication options and priced the step without overlap",
+    3: "version 3 named nodes as torch.export left them; they are now numbered in graph order",
 }
 
 Spec = tuple[Placement, ...]

@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar._compat import FakeStore, shape_only_mesh
 from autopar.capture import Captured, capture
-from autopar.capture.template import Template, block_stack, capture_template
+from autopar.capture.template import BUILT, DEPTH_HINT, Template, template_of
 from autopar.cluster import PRESETS, Cluster, with_pipeline_axis
 from autopar.options import MIXED_PRECISION, PlanOptions
 from autopar.passes.fusion import fuse_regions
@@ -146,6 +146,8 @@ class PlanJob:
         applied = "triton" if regions else ("inductor" if self.fusion == "inductor" else "none")
         memory = replace(plan.memory, **precision_fields(self.options))
         plan = replace(plan, fusion=applied, fused_regions=regions, memory=memory)
+        if captured.from_template:
+            plan = plan.with_solver(graph=BUILT)
         # what the runtime really holds at its peak (a liveness simulation of the step)
         with phase("assembly"):
             plan = with_predicted_memory(captured, plan, options.optimizer_states)
@@ -181,11 +183,13 @@ def prepare(
     plan: Plan | None = None,
     template: bool = False,
     solve_first: bool = False,
+    given: Template | None = None,
 ) -> tuple[PlanJob, Captured, tuple[FusedRegion, ...], Template | None]:
     """What compile and plan share: the job, the captured (maybe fused) graph, and with
     `template` the two-block template to search on (None when nothing repeats).
-    `solve_first` (planning without processes): the template is solved before the full
-    capture (`PlanJob.solve_template_first`)."""
+    `solve_first` (planning without processes): the template (or the `given` one, captured
+    at the same shapes) is solved before the whole graph is made, and the whole graph is
+    built from it rather than traced where it can be (`Template.whole_model`)."""
     job = PlanJob.make(options, cluster, batch, plan)
     dtype = compute_dtype(options, plan)
     batch = job.capture_batch(batch)
@@ -195,8 +199,10 @@ def prepare(
         tpl = template_of(model, batch, loss_fn) if template else None
     if solve_first and tpl is not None and job.fusion == "none":
         job.solve_template_first(tpl)
+    source = (tpl or given) if solve_first else None
     with phase("capture"):
-        captured = capture(model, batch, loss_fn)
+        captured = source and source.whole_model(model, batch, loss_fn)
+        captured = captured or capture(model, batch, loss_fn)
         regions = job.fuse(captured)
     if job.pipeline is not None:
         check_pipelines_take(captured)
@@ -241,20 +247,6 @@ def smaller_microbatch(
     captured = capture(model, small, loss_fn)
     fuse_regions(captured, kernels=plan.fusion)
     return SmallerMicrobatches(captured, sizes.count(sizes[-1]))
-
-
-def template_of(model: nn.Module, batch: Sequence[torch.Tensor], loss_fn) -> Template | None:
-    """The two-block template when the model repeats a block `TEMPLATE_MIN_BLOCKS` times or
-    more (below that a second capture costs more than the full graph's ILP saves)."""
-    stack = block_stack(model)
-    if stack is None or len(stack[1]) < TEMPLATE_MIN_BLOCKS:
-        return None
-    tpl = capture_template(model, batch, loss_fn, keep=TEMPLATE_BLOCKS)
-    return tpl if tpl.total_layers is not None else None
-
-
-TEMPLATE_BLOCKS = 2
-TEMPLATE_MIN_BLOCKS = 8
 
 
 def compute_dtype(options: PlanOptions, plan: Plan | None) -> torch.dtype | None:
@@ -344,7 +336,14 @@ def plan_model(
     if searches_layout(options, cluster):
         return plan_layout(model, batch, cluster, loss_fn, options)
     job, captured, regions, tpl = prepare(
-        model, batch, cluster, loss_fn, options, template=template is None, solve_first=True
+        model,
+        batch,
+        cluster,
+        loss_fn,
+        options,
+        template=template is None,
+        solve_first=True,
+        given=template,
     )
     tpl = template or tpl
     with fake_group(job.cluster.world_size):
@@ -481,6 +480,7 @@ def check_plan_matches(plan: Plan, captured: Captured, cluster: Cluster) -> None
             f"this plan was made for another model or batch shape (graph fingerprint "
             f"{plan.graph_fingerprint}, this model's is {captured.fingerprint}); re-plan with "
             "autopar.plan / `autopar plan` for this model and batch."
+            + (DEPTH_HINT if plan.solver.get("graph") == BUILT else "")
         )
     if plan.mesh_shape != tuple(cluster.mesh_shape):
         raise ValueError(

@@ -97,7 +97,7 @@ def test_plan_json_round_trips_exactly(gpt_plan: Plan, tmp_path) -> None:
     loaded = Plan.load(path)
     assert loaded == gpt_plan and loaded.content_hash == gpt_plan.content_hash
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 3 and data["graph_fingerprint"] == gpt_plan.graph_fingerprint
+    assert data["schema_version"] == 4 and data["graph_fingerprint"] == gpt_plan.graph_fingerprint
     assert data["fusion"] == "none" and data["fused_regions"] == []
 
 
@@ -121,6 +121,9 @@ def test_version_1_plan_asks_for_a_new_plan(gpt_plan: Plan) -> None:
         Plan.from_dict(data)
     data = {**gpt_plan.to_dict(), "schema_version": 2}  # priced without overlap, no `comm`
     with pytest.raises(ValueError, match=r"schema version 2 .*overlap.*re-plan"):
+        Plan.from_dict(data)
+    data = {**gpt_plan.to_dict(), "schema_version": 3}  # nodes named as export left them
+    with pytest.raises(ValueError, match=r"schema version 3 .*numbered in graph order"):
         Plan.from_dict(data)
     with pytest.raises(ValueError, match="fusion='xla'"):
         replace(gpt_plan, fusion="xla")

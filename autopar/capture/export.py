@@ -21,6 +21,7 @@ import os
 import re
 import traceback
 from collections.abc import Callable, Sequence
+from copy import deepcopy
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +29,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import InputKind, InputSpec, OutputKind, OutputSpec
 
 from autopar.capture.batch_norm import BATCH_NORM_DECOMPOSITIONS
 from autopar.capture.splits import unflatten_equal_splits
@@ -63,6 +64,8 @@ class Captured:
     # buffer placeholder names updated by the forward: output i + 1 is the new value of
     # mutated_buffers[i] (output 0 is the loss)
     mutated_buffers: list[str] = field(default_factory=list)
+    # built from a template rather than traced (`Template.whole_model`)
+    from_template: bool = False
 
     @property
     def loss_node(self) -> fx.Node:
@@ -93,23 +96,56 @@ class _WithLoss(nn.Module):
         return self.loss_fn(self.model(batch[0]), *batch[1:])
 
 
+@dataclass
+class Traced:
+    """An exported, decomposed graph with its signature, before autopar's clean-up
+    (`finish`): what `autopar.capture.expand` repeats a block of."""
+
+    gm: fx.GraphModule
+    input_specs: list[InputSpec]
+    output_specs: list[OutputSpec]
+    constants: dict[str, torch.Tensor]
+
+    def copy(self) -> Traced:
+        """The same graph in new nodes (metadata dicts copied, values shared)."""
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(self.gm.graph, {}))
+        specs = (deepcopy(self.input_specs), deepcopy(self.output_specs))
+        return Traced(fx.GraphModule(self.gm, graph), *specs, dict(self.constants))
+
+
 def capture(model: nn.Module, args: Sequence, loss_fn: Callable | None = None) -> Captured:
     """Export `model` on the example batch `args` and return the decomposed loss graph."""
     root = _WithLoss(model, loss_fn) if loss_fn is not None else model
+    return finish(trace(root, args), root, loss_fn is not None)
+
+
+def trace(root: nn.Module, args: Sequence) -> Traced:
+    """torch.export of `root` on `args`, decomposed to ATen but for `KEPT_OPS`."""
     ep = _export(root, tuple(args))
     table = torch.export.default_decompositions()
     for op in KEPT_OPS:
         table.pop(op, None)
     table.update(BATCH_NORM_DECOMPOSITIONS)
     ep = ep.run_decompositions(table)
-    _check_scalar_loss(ep)
-    captured = _roles(ep, root)
+    sig = ep.graph_signature
+    return Traced(ep.graph_module, sig.input_specs, sig.output_specs, ep.constants)
+
+
+def finish(traced: Traced, root: nn.Module, wrapped: bool) -> Captured:
+    """The `Captured` of a traced graph (changed in place): the loss first, tied parameters
+    merged, runtime checks and clones dropped, equal splits unflattened, the blocks'
+    weights marked, nodes renumbered; `wrapped`: `root` is the loss wrapper (its prefix is
+    stripped)."""
+    _check_scalar_loss(traced)
+    captured = _roles(traced)
     _merge_tied(captured, root)
     _drop_runtime_checks(captured.gm)
     _drop_clones(captured.gm)
     unflatten_equal_splits(captured.gm)
     _assign_weight_layers(captured.gm)
-    if loss_fn is not None:
+    captured.gm = _renumbered(captured.gm)
+    if wrapped:
         _strip_prefix(captured, "model.")
     captured.fingerprint = graph_fingerprint(captured)
     return captured
@@ -149,10 +185,10 @@ def _user_frame(exc: BaseException) -> str:
     return f"\n  at {match.group(1)}:{match.group(2)}" if match else ""
 
 
-def _check_scalar_loss(ep: ExportedProgram) -> None:
+def _check_scalar_loss(traced: Traced) -> None:
     """One user output, a floating scalar; buffer mutations aside, nothing else."""
-    specs = ep.graph_signature.output_specs
-    outputs = [n for n in ep.graph.nodes if n.op == "output"][0].args[0]
+    specs = traced.output_specs
+    outputs = [n for n in traced.gm.graph.nodes if n.op == "output"][0].args[0]
     mutated_inputs = [s.target for s in specs if s.kind == OutputKind.USER_INPUT_MUTATION]
     if mutated_inputs:
         raise CaptureError(
@@ -172,26 +208,25 @@ def _check_scalar_loss(ep: ExportedProgram) -> None:
         raise CaptureError(f"the loss has dtype {vals[0].dtype}; a floating-point loss is needed")
 
 
-def _roles(ep: ExportedProgram, root: nn.Module) -> Captured:
-    sig = ep.graph_signature
+def _roles(traced: Traced) -> Captured:
     params: dict[str, str] = {}
     buffers: dict[str, str] = {}
     constants: dict[str, torch.Tensor] = {}
     user_inputs: list[str] = []
-    for spec in sig.input_specs:
+    for spec in traced.input_specs:
         name = spec.arg.name
         if spec.kind == InputKind.PARAMETER:
             params[name] = spec.target
         elif spec.kind == InputKind.BUFFER:
             buffers[name] = spec.target
         elif spec.kind == InputKind.CONSTANT_TENSOR:
-            constants[name] = ep.constants[spec.target]
+            constants[name] = traced.constants[spec.target]
         elif spec.kind == InputKind.USER_INPUT:
             user_inputs.append(name)
         else:
             raise CaptureError(f"unsupported graph input kind {spec.kind} for {name}")
-    gm = ep.graph_module
-    mutated_buffers = _loss_first(ep, {fqn: name for name, fqn in buffers.items()})
+    gm = traced.gm
+    mutated_buffers = _loss_first(traced, {fqn: name for name, fqn in buffers.items()})
     roles = {
         **dict.fromkeys(params, "param"),
         **dict.fromkeys(buffers, "buffer"),
@@ -211,19 +246,19 @@ def _roles(ep: ExportedProgram, root: nn.Module) -> Captured:
     )
 
 
-def _loss_first(ep: ExportedProgram, placeholder_of: dict[str, str]) -> list[str]:
+def _loss_first(traced: Traced, placeholder_of: dict[str, str]) -> list[str]:
     """Reorder the graph's outputs to ``(loss, *new buffer values)``; returns the buffer
     placeholder names in that order (export puts the mutations first)."""
-    out = next(n for n in ep.graph_module.graph.nodes if n.op == "output")
+    out = next(n for n in traced.gm.graph.nodes if n.op == "output")
     loss, updates, names = None, [], []
-    for value, spec in zip(out.args[0], ep.graph_signature.output_specs, strict=True):
+    for value, spec in zip(out.args[0], traced.output_specs, strict=True):
         if spec.kind == OutputKind.BUFFER_MUTATION:
             updates.append(value)
             names.append(placeholder_of[spec.target])
         else:
             loss = value
     out.args = ((loss, *updates),)
-    ep.graph_module.recompile()
+    traced.gm.recompile()
     return names
 
 
@@ -334,6 +369,28 @@ def _assign_weight_layers(gm: fx.GraphModule) -> None:
                 layers.add(layer)
         if len(layers) == 1 and None not in layers:
             n.meta["autopar_layer"] = layers.pop()
+
+
+def _renumbered(gm: fx.GraphModule) -> fx.GraphModule:
+    """The same graph with its nodes named in graph order by FX's namer (`mul`, `mul_1`,
+    ...; placeholders keep export's names). Tracing leaves gaps where it removed nodes (a
+    layer norm's unused statistics), and `autopar.capture.expand` builds graphs it never
+    traced: numbered so, a graph's names follow from its ops and order alone, the same
+    whichever way it was made (a plan names its nodes)."""
+    graph = fx.Graph()
+    new: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            graph.output(fx.node.map_arg(n.args[0], new.__getitem__))
+            continue
+        name = n.name if n.op == "placeholder" else _NUMBER.sub("", n.name)
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), new.__getitem__)
+        new[n] = graph.create_node(n.op, n.target, args, kwargs, name=name)
+        new[n].meta = n.meta
+    return fx.GraphModule(gm, graph)
+
+
+_NUMBER = re.compile(r"_\d+$")
 
 
 def graph_fingerprint(captured: Captured) -> str:

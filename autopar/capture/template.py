@@ -11,7 +11,9 @@ and weighs the last captured block by the number of blocks it stands for
 the stack is replaced only for the trace (`truncated_blocks`), never copied.
 
 A model whose forward depends on the number of blocks other than by iterating over them
-would trace differently; the final plan is always made on the full capture.
+would trace differently: the final plan is made on the whole model's graph, which
+`Template.whole_model` builds from the template's traced graph where it shows the
+iteration (`autopar.capture.expand`), else the caller traces the whole model.
 """
 
 from __future__ import annotations
@@ -20,9 +22,22 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
-from autopar.capture.export import Captured, capture, layer_of
+from autopar.capture.expand import expand_blocks
+from autopar.capture.export import Captured, Traced, _WithLoss, capture, finish, layer_of, trace
+
+TEMPLATE_BLOCKS = 2
+TEMPLATE_MIN_BLOCKS = 8  # below, a second capture costs more than the full graph's ILP saves
+# a plan's `solver["graph"]` when its graph was built (`Template.whole_model`), not traced
+BUILT = "built from the two-block template (autopar.capture.expand)"
+DEPTH_HINT = (
+    " The plan's graph was built from the model's first two blocks, not traced (autopar.plan"
+    " does so for 8+ repeated blocks): if this is the same model, its forward depends on its"
+    " depth otherwise than by iterating its blocks; plan it with autopar.compile, which"
+    " traces the whole model."
+)
 
 
 @dataclass
@@ -33,6 +48,26 @@ class Template:
     # what the search solved on this template, by problem (`autopar.search.template_plan`):
     # the layout search's winner is not solved again for the final plan
     solved: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
+    # the template's traced graph before `finish`, and its stack's path from the traced
+    # root: what `whole_model` repeats
+    traced: Traced | None = field(default=None, repr=False, compare=False)
+    stack_path: str = ""
+
+    def whole_model(
+        self, model: nn.Module, args: Sequence[torch.Tensor], loss_fn: Callable | None = None
+    ) -> Captured | None:
+        """The graph `capture(model, args, loss_fn)` would trace, built from the template
+        (`autopar.capture.expand`); None where the template cannot show it, or where the
+        model, batch or loss are not those it was captured with."""
+        if self.traced is None or self.total_layers is None:
+            return None
+        expanded = expand_blocks(self.traced, self.stack_path, self.total_layers)
+        if expanded is None:
+            return None
+        root = _WithLoss(model, loss_fn) if loss_fn is not None else model
+        captured = finish(expanded, root, loss_fn is not None)
+        captured.from_template = True
+        return captured if _traces(captured, model, args) else None
 
 
 def block_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
@@ -66,6 +101,16 @@ def truncated_blocks(model: nn.Module, path: str, keep: int) -> Iterator[None]:
         setattr(parent, attr, full)
 
 
+def template_of(model: nn.Module, batch: Sequence, loss_fn: Callable | None) -> Template | None:
+    """The two-block template when the model repeats a block `TEMPLATE_MIN_BLOCKS` times or
+    more, else None."""
+    stack = block_stack(model)
+    if stack is None or len(stack[1]) < TEMPLATE_MIN_BLOCKS:
+        return None
+    tpl = capture_template(model, batch, loss_fn, keep=TEMPLATE_BLOCKS)
+    return tpl if tpl.total_layers is not None else None
+
+
 def capture_template(
     model: nn.Module, args: Sequence, loss_fn: Callable | None = None, keep: int = 2
 ) -> Template:
@@ -73,9 +118,33 @@ def capture_template(
     if stack is None or len(stack[1]) <= keep:
         return Template(capture(model, args, loss_fn))
     path, blocks = stack
+    root = _WithLoss(model, loss_fn) if loss_fn is not None else model
     with truncated_blocks(model, path, keep):
-        captured = capture(model, args, loss_fn)
+        traced = trace(root, args)
+        kept = traced.copy()
+        captured = finish(traced, root, loss_fn is not None)
     layers = list(dict.fromkeys(filter(None, map(layer_of, captured.gm.graph.nodes))))
     if len(layers) != keep:  # the stack is not what forward iterates over: no shortcut
         return Template(capture(model, args, loss_fn))
-    return Template(captured, len(blocks), {layers[-1]: float(len(blocks) - keep + 1)})
+    weights = {layers[-1]: float(len(blocks) - keep + 1)}
+    traced_path = f"model.{path}" if loss_fn is not None else path
+    if keep != 2:  # `expand_blocks` repeats block 1 of two
+        kept = None
+    return Template(captured, len(blocks), weights, traced=kept, stack_path=traced_path)
+
+
+def _traces(captured: Captured, model: nn.Module, args: Sequence[torch.Tensor]) -> bool:
+    """`captured` takes `model`'s parameters (names, shapes, dtypes) and `args`' shapes."""
+    params = dict(model.named_parameters())
+    nodes = {n.name: n for n in captured.placeholders()}
+    if set(captured.params.values()) != set(params):
+        return False
+    for name, fqn in captured.params.items():
+        val = nodes[name].meta.get("val")
+        if (tuple(val.shape), val.dtype) != (tuple(params[fqn].shape), params[fqn].dtype):
+            return False
+    inputs = [nodes[name].meta.get("val") for name in captured.user_inputs]
+    return len(inputs) == len(args) and all(
+        (tuple(v.shape), v.dtype) == (tuple(a.shape), a.dtype)
+        for v, a in zip(inputs, args, strict=True)
+    )

@@ -1,0 +1,141 @@
+"""The whole model's graph built from its two-block template equals the whole model's trace.
+
+`Template.whole_model` (`autopar.capture.expand`) repeats the template's block 1 instead of
+tracing every block. The graph it builds must be the one `capture` traces: the same nodes
+with the same names, ops, arguments and metadata, the same placeholders and roles, the same
+fingerprint, so that a plan made on it runs on the traced graph. Where the template does
+not show how the blocks repeat, it builds nothing and the caller traces.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.capture import capture
+from autopar.capture.export import layer_of
+from autopar.capture.template import capture_template
+from autopar.cluster import Cluster
+from autopar.options import PlanOptions
+from autopar.planning import prepare
+from samples import get_sample
+
+
+def _row(n: torch.fx.Node) -> tuple:
+    val = n.meta.get("val")
+    stack = n.meta.get("nn_module_stack") or {}
+    return (
+        n.op,
+        n.name,
+        str(n.target),
+        str(n.args),
+        str(n.kwargs),
+        tuple(val.shape) if isinstance(val, torch.Tensor) else None,
+        layer_of(n),
+        n.meta.get("autopar_role"),
+        n.meta.get("autopar_layer"),
+        tuple(stack.values()),
+        n.meta.get("stack_trace"),
+    )
+
+
+def _assert_same_graph(built, traced) -> None:
+    assert built is not None, "the template did not build the whole graph"
+    assert [_row(n) for n in built.gm.graph.nodes] == [_row(n) for n in traced.gm.graph.nodes]
+    assert built.fingerprint == traced.fingerprint
+    assert built.params == traced.params and built.aliases == traced.aliases
+    assert built.buffers == traced.buffers and built.user_inputs == traced.user_inputs
+    assert built.mutated_buffers == traced.mutated_buffers
+    assert built.constants.keys() == traced.constants.keys()
+
+
+class _Residual(nn.Module):
+    """The residual add in the parent's loop (`x = x + layer(x)`), a loss function apart."""
+
+    def __init__(self, depth: int, first_twice: bool = False):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(depth)
+        )
+        self.head = nn.Linear(16, 4)
+        self.first_twice = first_twice
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = x + layer(x)
+            if self.first_twice and i == 0:  # the first block differs from the others
+                x = x * 2
+        return self.head(x)
+
+
+def _loss(out, target):
+    return nn.functional.cross_entropy(out, target)
+
+
+def _hf_gpt2(depth: int):
+    transformers = pytest.importorskip("transformers")
+    from tests.models.hf_gpt2 import VOCAB, LanguageModelLoss
+
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=depth, n_head=2
+    )
+    model = LanguageModelLoss(transformers.GPT2LMHeadModel(config))
+    ids = torch.randint(0, VOCAB, (2, 16))
+    return model, (ids, ids), None
+
+
+def _sample(name: str, rows: int = 4):
+    sample = get_sample(name)
+    model = sample.build("tiny4", device="meta")
+    return model, sample.example_batch(model, rows, device="meta"), None
+
+
+def _residual(depth: int = 5):
+    return _Residual(depth), (torch.randn(8, 16), torch.randint(0, 4, (8,))), _loss
+
+
+CASES = {
+    "gpt": lambda: _sample("gpt"),
+    "llama": lambda: _sample("llama"),
+    "residual in the parent, loss_fn": _residual,
+    "hugging face gpt2": lambda: _hf_gpt2(4),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_whole_graph_built_from_the_template_is_the_traced_one(case: str) -> None:
+    model, batch, loss_fn = CASES[case]()
+    tpl = capture_template(model, batch, loss_fn)
+    assert tpl.total_layers is not None and tpl.total_layers > 2
+    built = tpl.whole_model(model, batch, loss_fn)
+    _assert_same_graph(built, capture(model, batch, loss_fn))
+    # the template itself is left as it was: a second build is the same graph
+    _assert_same_graph(tpl.whole_model(model, batch, loss_fn), built)
+
+
+def test_blocks_that_do_not_repeat_alike_are_traced_instead() -> None:
+    model = _Residual(4, first_twice=True)
+    batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    tpl = capture_template(model, batch, _loss)
+    assert tpl.total_layers == 4
+    assert tpl.whole_model(model, batch, _loss) is None
+
+
+def test_a_template_of_other_shapes_builds_nothing() -> None:
+    model, batch, _ = _sample("llama", rows=4)
+    tpl = capture_template(model, batch)
+    assert tpl.whole_model(model, tuple(t[:2] for t in batch)) is None
+
+
+def test_planning_without_processes_uses_the_built_graph() -> None:
+    """`prepare(solve_first=True)` with a template builds the graph a trace gives, and the
+    plan searched on it is the plan searched on the trace."""
+    model, batch, _ = _sample("gpt")
+    cluster = Cluster.preset("cpu", mesh=(4,))
+    options = PlanOptions(pipeline_stages=2, microbatches=2)
+    job, traced, _, _ = prepare(model, batch, cluster, None, options)
+    tpl = capture_template(model, job.capture_batch(batch))
+    _, built, _, _ = prepare(model, batch, cluster, None, options, solve_first=True, given=tpl)
+    assert built is not traced
+    _assert_same_graph(built, traced)
