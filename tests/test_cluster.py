@@ -110,7 +110,10 @@ def test_axis_queries_and_str() -> None:
     with pytest.raises(ValueError, match="out of range"):
         c.axis_size(2)
     kinds = "all_gather x0.17 reduce_scatter x0.1"
-    assert str(c) == f"cpu x6 mesh(dp=2, tp=3) links(dp: 1 GB/s 50 us {kinds}, tp: 1 GB/s 50 us {kinds}) gloo"
+    assert (
+        str(c)
+        == f"cpu x6 mesh(dp=2, tp=3) links(dp: 1 GB/s 50 us {kinds}, tp: 1 GB/s 50 us {kinds}) gloo"
+    )
 
 
 def test_dict_round_trip() -> None:

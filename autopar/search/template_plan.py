@@ -169,7 +169,9 @@ def prepare_on_template(
         prepare_intra(template.captured, cluster, mesh, options, weights, comm=DEFAULT_COMM)
     else:
         stage_mesh = mesh[stage_cluster(cluster).axis_names]
-        prepare_pipeline(template.captured, cluster, stage_mesh, options, pipeline, template.weights)
+        prepare_pipeline(
+            template.captured, cluster, stage_mesh, options, pipeline, template.weights
+        )
 
 
 def template_applies(options: SearchOptions) -> bool:
