@@ -38,7 +38,6 @@ are in the ILP's memory, not in a rank's peak.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import groupby
 
@@ -69,7 +68,7 @@ from autopar.search.schedules import (
     synced_end,
     weight_gradient_work,
 )
-from autopar.search.stage_cuts import balanced_cuts
+from autopar.search.stage_cuts import balanced_cuts, range_prices
 from autopar.search.step import (
     Part,
     overlapped_time,
@@ -248,25 +247,34 @@ def _layer_range(lc: LayerCosts, first: int, end: int) -> PartCost:
     return total
 
 
-def _stage_spans(lc: LayerCosts, cluster: Cluster) -> Callable[[int, int], float]:
-    """`balanced_cuts`' price of a stage of layers i..j-1: `stage_time`, what the schedule
-    is priced with (overlap does not add up layer by layer: a stage's first gather and
-    last gradient bucket are exposed). A template's repeated layers are one object, so
-    ranges of them that hold as many are priced once (about 0.1 s a schedule for 96
-    layers)."""
-    n, seen = len(lc.layers), {}
-    same = list(range(1, n + 1))  # same[i]: the end of the run of lc.parts[i]'s object
-    for i in reversed(range(n - 1)):
-        if lc.parts[i] is lc.parts[i + 1]:
-            same[i] = same[i + 1]
+class _StageSpans:
+    """`balanced_cuts`' price of a stage of layers i..j-1 (`span(i, j)`): `stage_time`, what
+    the schedule is priced with (overlap does not add up layer by layer: a stage's first
+    gather and last gradient bucket are exposed). A template's repeated layers are one
+    object, so ranges of them that hold as many are priced once; `prices()`, the table of
+    every range, is made once for the schedules priced on the same costs."""
 
-    def span(i: int, j: int) -> float:
-        key = (i == 0, j == n, id(lc.parts[i]), j - i) if j <= same[i] else (i, j)
-        if key not in seen:
-            seen[key] = stage_time(_layer_range(lc, i, j), cluster, lc.comm)
-        return seen[key]
+    def __init__(self, lc: LayerCosts, cluster: Cluster):
+        self.lc, self.cluster, self.n = lc, cluster, len(lc.layers)
+        self.seen: dict[tuple, float] = {}
+        self.table = None
+        # same[i]: the end of the run of lc.parts[i]'s object
+        self.same = list(range(1, self.n + 1))
+        for i in reversed(range(self.n - 1)):
+            if lc.parts[i] is lc.parts[i + 1]:
+                self.same[i] = self.same[i + 1]
 
-    return span
+    def __call__(self, i: int, j: int) -> float:
+        lc, n = self.lc, self.n
+        key = (i == 0, j == n, id(lc.parts[i]), j - i) if j <= self.same[i] else (i, j)
+        if key not in self.seen:
+            self.seen[key] = stage_time(_layer_range(lc, i, j), self.cluster, lc.comm)
+        return self.seen[key]
+
+    def prices(self):
+        if self.table is None:
+            self.table = range_prices(self.lc.time, self)
+        return self.table
 
 
 @dataclass(frozen=True)
@@ -296,10 +304,10 @@ def price_schedule(
     microbatches: int | tuple[int, ...],
     cluster: Cluster,
     cuts: tuple[int, ...] | None = None,
-    span: Callable[[int, int], float] | None = None,
+    span: _StageSpans | None = None,
 ) -> PricedSchedule:
     """`microbatches`: a count, or the counts of `PipelineOptions.groups` (every
-    microbatch priced at the captured, largest one's costs). `span`: `_stage_spans(lc,
+    microbatch priced at the captured, largest one's costs). `span`: `_StageSpans(lc,
     stage_cluster(cluster))`, shared by the schedules priced on the same costs (its
     memo of stage prices is most of what cutting the stages costs)."""
     virtual = SCHEDULES[schedule]
@@ -311,7 +319,7 @@ def price_schedule(
         )
     sub = stage_cluster(cluster)  # the mesh axes of the stage programs' collectives
     if cuts is None:
-        cuts = balanced_cuts(lc.time, num, span or _stage_spans(lc, sub))
+        cuts = balanced_cuts(lc.time, num, prices=(span or _StageSpans(lc, sub)).prices())
     stages = _stage_parts(lc, cuts)
     pp_axis = cluster.axis_names.index("pp")
     p2p = send_recv_time(lc.boundary_bytes, cluster.links[pp_axis])
@@ -467,7 +475,7 @@ def _price_schedules(lc, candidates, pp, cluster, pipeline, limit):
     """(schedules that fit, why the others do not, the least peak of those priced)."""
     priced: list[PricedSchedule] = []
     failures, least = [], math.inf
-    span = _stage_spans(lc, stage_cluster(cluster))
+    span = _StageSpans(lc, stage_cluster(cluster))
     # each rank runs its stages for every microbatch back to back (DualPipeV's pairs too), a
     # stage's time at least its share of the whole's (first gathers, last buckets add up)
     bound = pipeline.microbatches * span(0, len(lc.layers)) / pp

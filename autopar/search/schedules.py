@@ -45,16 +45,21 @@ from autopar.cost_models.memory import activation_bytes
 from autopar.plan import SCHEDULES, V_SHAPED, stage_ranks
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Timeline:
     step_time: float
     bubble: float  # idle fraction of the busiest rank
     in_flight: tuple[float, ...]  # per rank: peak microbatches of saved activations
-    rows: tuple[str, ...]  # text timeline per rank
+    orders: tuple[tuple[tuple[str, int, int], ...], ...]  # per rank: its actions, in order
     ends: tuple[float, ...] = ()  # per rank: when its last action ends, seconds
     # per stage: when its last B or W ends (its gradients complete: the runtime's
     # REDUCE_GRAD action, `runtime.pipeline.GradientSync`)
     grads_done: tuple[float, ...] = ()
+
+    @property
+    def rows(self) -> tuple[str, ...]:
+        """Text timeline per rank (`F3.7`: stage 3's forward of microbatch 7)."""
+        return tuple(" ".join(f"{k}{s}.{i}" for k, s, i in order) for order in self.orders)
 
 
 def _orders(schedule: str, pp: int, m: int) -> list[list[tuple[str, int, int]]]:
@@ -231,48 +236,64 @@ def replay(
     keep = list(stash or [1.0] * num)
     w[0], keep[0] = bwd[0], 1.0  # the batch takes no gradient: the first stage's I is empty
     cost = {"F": fwd, "B": bwd, "I": [b - x for b, x in zip(bwd, w, strict=True)], "W": w}
-    done: dict[tuple[str, int, int], float] = {}
+    held_by = {"F": [1.0] * num, "B": [-1.0] * num, "I": [k - 1.0 for k in keep]}
+    held_by["W"] = [-k for k in keep]
+    # when each (stage, microbatch)'s forward and input gradient (B or I) end; None: not yet
+    count = 1 + max((i for order in orders for _, _, i in order), default=-1)
+    forward = [[None] * count for _ in range(num)]
+    gradient = [[None] * count for _ in range(num)]
+    # p2p added to a dependency on the stage before / after (another rank's)
+    hop_before = [p2p if s and owner[s - 1] != owner[s] else 0.0 for s in range(num)]
+    hop_after = [p2p if s < num - 1 and owner[s + 1] != owner[s] else 0.0 for s in range(num)]
+    starts = list(ready) if ready else [0.0] * num
     clock, busy = [0.0] * pp, [0.0] * pp
     held, peak = [0.0] * pp, [0.0] * pp
     grads_done = [0.0] * num
-    rows: list[list[str]] = [[] for _ in range(pp)]
     at = [0] * pp
-    while any(at[r] < len(orders[r]) for r in range(pp)):
+    left = sum(map(len, orders))
+    while left:
         progressed = False
         for rank in range(pp):
-            while at[rank] < len(orders[rank]):
-                kind, s, i = orders[rank][at[rank]]
-                deps = _deps(kind, s, i, num)
-                if any(d not in done for d in deps):
-                    break
-                start = max(
-                    [clock[rank], ready[s] if ready and kind == "F" else 0.0]
-                    + [done[d] + (p2p if owner[d[1]] != owner[s] else 0.0) for d in deps]
-                )
-                clock[rank] = start + cost[kind][s]
-                done[("G" if kind in "IB" else kind, s, i)] = clock[rank]
-                busy[rank] += cost[kind][s]
+            order, now, n = orders[rank], clock[rank], at[rank]
+            while n < len(order):
+                kind, s, i = order[n]
+                if kind == "F":
+                    dep = forward[s - 1][i] if s else 0.0
+                    if dep is None:
+                        break
+                    start = max(now, starts[s], dep + hop_before[s])
+                elif kind == "W":
+                    dep = gradient[s][i]
+                    if dep is None:
+                        break
+                    start = max(now, dep)
+                else:  # B or I: after this stage's forward and the next stage's gradient
+                    dep = forward[s][i]
+                    after = gradient[s + 1][i] if s < num - 1 else 0.0
+                    if dep is None or after is None:
+                        break
+                    start = max(now, dep, after + hop_after[s])
+                seconds = cost[kind][s]
+                now = start + seconds
+                busy[rank] += seconds
+                if kind == "F":
+                    forward[s][i] = now
+                elif kind != "W":
+                    gradient[s][i] = now
                 if kind in "BW":
-                    grads_done[s] = clock[rank]
-                held[rank] += {"F": 1.0, "B": -1.0, "I": keep[s] - 1.0, "W": -keep[s]}[kind]
+                    grads_done[s] = now
+                held[rank] += held_by[kind][s]
                 peak[rank] = max(peak[rank], held[rank])
-                rows[rank].append(f"{kind}{s}.{i}")
-                at[rank] += 1
-                progressed = True
+                n += 1
+            if n != at[rank]:
+                progressed, left = True, left - (n - at[rank])
+                clock[rank], at[rank] = now, n
         if not progressed:
             raise RuntimeError(f"schedule {schedule} deadlocks on {pp} ranks")
     total = max(clock)
     bubble = 1.0 - max(busy) / total if total else 0.0
-    rows_text = tuple(" ".join(r) for r in rows)
-    return Timeline(total, bubble, tuple(peak), rows_text, tuple(clock), tuple(grads_done))
-
-
-def _deps(kind: str, s: int, i: int, num: int) -> list[tuple[str, int, int]]:
-    if kind == "F":
-        return [("F", s - 1, i)] if s > 0 else []
-    if kind == "W":
-        return [("G", s, i)]
-    return [("F", s, i)] + ([("G", s + 1, i)] if s < num - 1 else [])
+    actions = tuple(tuple(order) for order in orders)
+    return Timeline(total, bubble, tuple(peak), actions, tuple(clock), tuple(grads_done))
 
 
 def synced_end(end: float, done: list[float], syncs: list[float]) -> float:
