@@ -135,8 +135,8 @@ def trace(root: nn.Module, args: Sequence) -> Traced:
 def finish(traced: Traced, root: nn.Module, wrapped: bool) -> Captured:
     """The `Captured` of a traced graph (changed in place): the loss first, tied parameters
     merged, runtime checks and clones dropped, equal splits unflattened, the blocks'
-    weights marked, nodes renumbered; `wrapped`: `root` is the loss wrapper (its prefix is
-    stripped)."""
+    weights marked, nodes renumbered (the graph module made once, at the end); `wrapped`:
+    `root` is the loss wrapper (its prefix is stripped)."""
     _check_scalar_loss(traced)
     captured = _roles(traced)
     _merge_tied(captured, root)
@@ -258,7 +258,6 @@ def _loss_first(traced: Traced, placeholder_of: dict[str, str]) -> list[str]:
         else:
             loss = value
     out.args = ((loss, *updates),)
-    traced.gm.recompile()
     return names
 
 
@@ -278,7 +277,6 @@ def _merge_tied(captured: Captured, root: nn.Module) -> None:
         captured.aliases.setdefault(captured.params[keep], []).append(fqn)
         del captured.params[ph_name]
     captured.gm.graph.lint()
-    captured.gm.recompile()
 
 
 RUNTIME_CHECKS = (
@@ -305,7 +303,6 @@ def _drop_runtime_checks(gm: fx.GraphModule) -> None:
         if node.op == "call_function" and node.target in RUNTIME_CHECKS and not node.users:
             gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()
-    gm.recompile()
 
 
 def _drop_clones(gm: fx.GraphModule) -> None:
@@ -317,7 +314,6 @@ def _drop_clones(gm: fx.GraphModule) -> None:
         if node.op == "call_function" and node.target == aten.clone.default:
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
-    gm.recompile()
 
 
 def _strip_prefix(captured: Captured, prefix: str) -> None:
