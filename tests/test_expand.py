@@ -139,3 +139,21 @@ def test_planning_without_processes_uses_the_built_graph() -> None:
     _, built, _, _ = prepare(model, batch, cluster, None, options, solve_first=True, given=tpl)
     assert built is not traced
     _assert_same_graph(built, traced)
+
+
+def test_a_plan_made_on_the_built_graph_names_the_traced_graph() -> None:
+    """`autopar.plan` on a model of 8 blocks (the template route) plans on the built graph;
+    `compile` traces the model: the plan's fingerprint and node names are the trace's."""
+    import autopar
+    from autopar.capture.template import BUILT
+    from samples.gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(64, 16, 8, 2, 16))
+    idx = torch.zeros(4, 16, dtype=torch.long, device="meta")
+    plan = autopar.plan(model, (idx, idx), cluster=Cluster.preset("cpu", mesh=(2,)))
+    assert plan.solver.get("graph") == BUILT
+    traced = capture(model, (idx, idx))
+    assert plan.graph_fingerprint == traced.fingerprint
+    names = {n.name: str(n.target) for n in traced.gm.graph.nodes}
+    assert all(node.name in names for node in plan.nodes)
