@@ -20,6 +20,7 @@ import json
 import os
 import re
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from copy import deepcopy
 from dataclasses import dataclass, field
@@ -127,7 +128,10 @@ def trace(root: nn.Module, args: Sequence) -> Traced:
     for op in KEPT_OPS:
         table.pop(op, None)
     table.update(BATCH_NORM_DECOMPOSITIONS)
-    ep = ep.run_decompositions(table)
+    with warnings.catch_warnings():  # torch's own deepcopy of its pytree specs: not the
+        # user's to fix, and it would print on every capture
+        warnings.filterwarnings("ignore", _TREESPEC_DEPRECATION, FutureWarning)
+        ep = ep.run_decompositions(table)
     sig = ep.graph_signature
     return Traced(ep.graph_module, sig.input_specs, sig.output_specs, ep.constants)
 
@@ -149,6 +153,9 @@ def finish(traced: Traced, root: nn.Module, wrapped: bool) -> Captured:
         _strip_prefix(captured, "model.")
     captured.fingerprint = graph_fingerprint(captured)
     return captured
+
+
+_TREESPEC_DEPRECATION = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 
 
 def _export(root: nn.Module, args: tuple) -> ExportedProgram:
