@@ -122,6 +122,35 @@ def test_blocks_that_do_not_repeat_alike_are_traced_instead() -> None:
     assert tpl.whole_model(model, batch, _loss) is None
 
 
+class _Depth(_Residual):
+    """A forward that reads its depth (`/ len(self.layers)`, as an MoE's mean auxiliary
+    loss does), or whose last block was built unlike the others (the same parameters)."""
+
+    def __init__(self, depth: int, last_differs: bool):
+        super().__init__(depth)
+        self.last_differs = last_differs
+        self.layers[-1].scaled = last_differs
+
+    def forward(self, x):
+        for layer in self.layers:
+            y = layer(x)
+            x = x + (y * 2 if getattr(layer, "scaled", False) else y)
+        out = self.head(x)
+        return out if self.last_differs else out / len(self.layers)
+
+
+@pytest.mark.parametrize("last_differs", [False, True], ids=["reads its depth", "last block"])
+def test_a_model_the_template_does_not_show_is_traced_instead(last_differs: bool) -> None:
+    """The template cannot tell these from an iteration (its blocks 0 and 1 alike): three
+    blocks built differ from blocks 0, 1 and the last traced (`Template._repeats`)."""
+    model = _Depth(5, last_differs)
+    batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    tpl = capture_template(model, batch, _loss)
+    assert tpl.total_layers == 5
+    assert tpl.whole_model(model, batch, _loss) is None
+    assert tpl.repeats is False
+
+
 def test_a_template_of_other_shapes_builds_nothing() -> None:
     model, batch, _ = _sample("llama", rows=4)
     tpl = capture_template(model, batch)

@@ -48,26 +48,54 @@ class Template:
     # what the search solved on this template, by problem (`autopar.search.template_plan`):
     # the layout search's winner is not solved again for the final plan
     solved: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
-    # the template's traced graph before `finish`, and its stack's path from the traced
-    # root: what `whole_model` repeats
+    # the template's traced graph before `finish` and its stack's path in the model: what
+    # `whole_model` repeats; whether three blocks built are three blocks traced (None: not
+    # checked yet)
     traced: Traced | None = field(default=None, repr=False, compare=False)
     stack_path: str = ""
+    repeats: bool | None = field(default=None, repr=False, compare=False)
 
     def whole_model(
         self, model: nn.Module, args: Sequence[torch.Tensor], loss_fn: Callable | None = None
     ) -> Captured | None:
         """The graph `capture(model, args, loss_fn)` would trace, built from the template
-        (`autopar.capture.expand`); None where the template cannot show it, or where the
-        model, batch or loss are not those it was captured with."""
+        (`autopar.capture.expand`); None where the template cannot show it, where three
+        blocks built are not three blocks traced (`_repeats`), or where the model, batch or
+        loss are not those it was captured with."""
         if self.traced is None or self.total_layers is None:
             return None
-        expanded = expand_blocks(self.traced, self.stack_path, self.total_layers)
+        built = self._built(model, loss_fn, self.total_layers)
+        if built is None or not _traces(built, model, args):
+            return None
+        if not self._repeats(model, args, loss_fn):
+            return None
+        built.from_template = True
+        return built
+
+    def _built(self, model: nn.Module, loss_fn: Callable | None, blocks: int) -> Captured | None:
+        traced_path = f"model.{self.stack_path}" if loss_fn is not None else self.stack_path
+        expanded = expand_blocks(self.traced, traced_path, blocks)
         if expanded is None:
             return None
         root = _WithLoss(model, loss_fn) if loss_fn is not None else model
-        captured = finish(expanded, root, loss_fn is not None)
-        captured.from_template = True
-        return captured if _traces(captured, model, args) else None
+        return finish(expanded, root, loss_fn is not None)
+
+    def _repeats(self, model: nn.Module, args: Sequence, loss_fn: Callable | None) -> bool:
+        """Whether the template, expanded to three blocks, is the model traced with blocks
+        0, 1 and its last: the check that the blocks repeat as block 1 does where the
+        template cannot tell (a forward that reads its depth, `aux / len(self.layers)`; a
+        last block unlike the others). One trace of three blocks, once per template."""
+        if self.repeats is None:
+            built = self._built(model, loss_fn, 3)
+            with truncated_blocks(model, self.stack_path, (0, 1, self.total_layers - 1)):
+                traced = capture(model, args, loss_fn)
+            self.repeats = (
+                built is not None
+                and built.fingerprint == traced.fingerprint
+                and [n.name for n in built.gm.graph.nodes]
+                == [n.name for n in traced.gm.graph.nodes]
+            )
+        return self.repeats
 
 
 def block_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
@@ -90,11 +118,14 @@ def _identical(blocks: nn.ModuleList) -> bool:
 
 
 @contextmanager
-def truncated_blocks(model: nn.Module, path: str, keep: int) -> Iterator[None]:
+def truncated_blocks(model: nn.Module, path: str, keep: int | Sequence[int]) -> Iterator[None]:
+    """The model with its stack at `path` cut to its first `keep` blocks (or to the blocks
+    of those indices, in that order) for the duration."""
     parent_name, _, attr = path.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     full = getattr(parent, attr)
-    setattr(parent, attr, nn.ModuleList(list(full)[:keep]))
+    indices = range(keep) if isinstance(keep, int) else keep
+    setattr(parent, attr, nn.ModuleList([full[i] for i in indices]))
     try:
         yield
     finally:
@@ -127,10 +158,9 @@ def capture_template(
     if len(layers) != keep:  # the stack is not what forward iterates over: no shortcut
         return Template(capture(model, args, loss_fn))
     weights = {layers[-1]: float(len(blocks) - keep + 1)}
-    traced_path = f"model.{path}" if loss_fn is not None else path
     if keep != 2:  # `expand_blocks` repeats block 1 of two
         kept = None
-    return Template(captured, len(blocks), weights, traced=kept, stack_path=traced_path)
+    return Template(captured, len(blocks), weights, traced=kept, stack_path=path)
 
 
 def _traces(captured: Captured, model: nn.Module, args: Sequence[torch.Tensor]) -> bool:
