@@ -13,7 +13,11 @@ the stack is replaced only for the trace (`truncated_blocks`), never copied.
 A model whose forward depends on the number of blocks other than by iterating over them
 would trace differently: the final plan is made on the whole model's graph, which
 `Template.whole_model` builds from the template's traced graph where it shows the
-iteration (`autopar.capture.expand`), else the caller traces the whole model.
+iteration (`autopar.capture.expand`) and three blocks built are blocks 0, 1 and the last
+traced (one more trace of three blocks: a forward reading `len(self.layers)`, a last block
+unlike the others are traced instead), else the caller traces the whole model. A plan made
+on a built graph says so (`plan.solver["graph"] == BUILT`); `compile` traces, and names the
+cause where the fingerprints then differ (`DEPTH_HINT`).
 """
 
 from __future__ import annotations
