@@ -30,7 +30,16 @@ import torch
 from torch import nn
 
 from autopar.capture.expand import expand_blocks
-from autopar.capture.export import Captured, Traced, _WithLoss, capture, finish, layer_of, trace
+from autopar.capture.export import (
+    Captured,
+    CaptureError,
+    Traced,
+    _WithLoss,
+    capture,
+    finish,
+    layer_of,
+    trace,
+)
 
 TEMPLATE_BLOCKS = 2
 TEMPLATE_MIN_BLOCKS = 8  # below, a second capture costs more than the full graph's ILP saves
@@ -91,10 +100,14 @@ class Template:
         last block unlike the others). One trace of three blocks, once per template."""
         if self.repeats is None:
             built = self._built(model, loss_fn, 3)
-            with truncated_blocks(model, self.stack_path, (0, 1, self.total_layers - 1)):
-                traced = capture(model, args, loss_fn)
+            try:
+                with truncated_blocks(model, self.stack_path, (0, 1, self.total_layers - 1)):
+                    traced = capture(model, args, loss_fn)
+            except CaptureError:  # not traceable so: the whole model is traced (and says why)
+                traced = None
             self.repeats = (
                 built is not None
+                and traced is not None
                 and built.fingerprint == traced.fingerprint
                 and [n.name for n in built.gm.graph.nodes]
                 == [n.name for n in traced.gm.graph.nodes]
