@@ -37,9 +37,8 @@ import torch
 import torch.fx as fx
 from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 
-from autopar.capture.export import Traced, layer_of
+from autopar.capture.export import Traced, base_name, layer_of
 
-_SUFFIX = re.compile(r"_\d+$")
 _LIFTED = re.compile(r"lifted_tensor_(\d+)$")
 
 
@@ -203,7 +202,7 @@ class _Expansion:
             args = fx.node.map_arg(
                 (n.args, n.kwargs), lambda a: last[a] if a in last else self.env[a]
             )
-            new = self.graph.create_node(n.op, n.target, *args, name=_base(n.name))
+            new = self.graph.create_node(n.op, n.target, *args, name=base_name(n.name))
         new.meta = copy.copy(n.meta)
         self.env[n] = new
         return True
@@ -227,7 +226,7 @@ class _Expansion:
                     args = fx.node.map_arg(
                         (n.args, n.kwargs), lambda a, m=mine, p=previous: self._read(a, m, p)
                     )
-                    new = self.graph.create_node(n.op, n.target, *args, name=_base(n.name))
+                    new = self.graph.create_node(n.op, n.target, *args, name=base_name(n.name))
                 new.meta = _renumbered_meta(n.meta, f"{self.path}.1", f"{self.path}.{k}")
                 mine[n] = new
         return True
@@ -305,11 +304,6 @@ def _lifted_numbering(blocks: _Blocks, spec_of: dict) -> tuple[int, int] | tuple
     if len(steps) != 1 or any(None in p for p in pairs):
         return None
     return steps.pop(), max(b for _, b in pairs)
-
-
-def _base(name: str) -> str:
-    """The name FX's namer numbers (`mul_7` -> `mul`, `pow_1` -> `pow`)."""
-    return _SUFFIX.sub("", name)
 
 
 def _sanitized(target: str) -> str:

@@ -386,11 +386,16 @@ def _renumbered(gm: fx.GraphModule) -> fx.GraphModule:
         if n.op == "output":
             graph.output(fx.node.map_arg(n.args[0], new.__getitem__))
             continue
-        name = n.name if n.op == "placeholder" else _NUMBER.sub("", n.name)
+        name = n.name if n.op == "placeholder" else base_name(n.name)
         args, kwargs = fx.node.map_arg((n.args, n.kwargs), new.__getitem__)
         new[n] = graph.create_node(n.op, n.target, args, kwargs, name=name)
         new[n].meta = n.meta
     return fx.GraphModule(gm, graph)
+
+
+def base_name(name: str) -> str:
+    """The name FX's namer numbers (`mul_7` -> `mul`, `pow_1` -> `pow`)."""
+    return _NUMBER.sub("", name)
 
 
 _NUMBER = re.compile(r"_\d+$")
