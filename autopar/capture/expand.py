@@ -199,10 +199,7 @@ class _Expansion:
                 new = self.graph.placeholder(n.name)
                 self.specs[new.name] = spec
         else:
-            args = fx.node.map_arg(
-                (n.args, n.kwargs), lambda a: last[a] if a in last else self.env[a]
-            )
-            new = self.graph.create_node(n.op, n.target, *args, name=base_name(n.name))
+            new = self._copy(n, lambda a: last[a] if a in last else self.env[a])
         new.meta = copy.copy(n.meta)
         self.env[n] = new
         return True
@@ -223,13 +220,16 @@ class _Expansion:
                     if new is None:
                         return False
                 else:
-                    args = fx.node.map_arg(
-                        (n.args, n.kwargs), lambda a, m=mine, p=previous: self._read(a, m, p)
-                    )
-                    new = self.graph.create_node(n.op, n.target, *args, name=base_name(n.name))
+                    new = self._copy(n, lambda a, m=mine, p=previous: self._read(a, m, p))
                 new.meta = _renumbered_meta(n.meta, f"{self.path}.1", f"{self.path}.{k}")
                 mine[n] = new
         return True
+
+    def _copy(self, n: fx.Node, read) -> fx.Node:
+        """`n` in the full graph, reading `read(a)` where it reads `a`, named by its base
+        (`finish` numbers the names in graph order)."""
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), read)
+        return self.graph.create_node(n.op, n.target, args, kwargs, name=base_name(n.name))
 
     def _read(self, a: fx.Node, mine: dict, previous: dict) -> fx.Node:
         """What block k's copy reads where block 1 reads `a` (`mine`: block k's copies,
