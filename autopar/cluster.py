@@ -5,8 +5,8 @@ Contract
 ``Cluster`` is pure, frozen, hashable data: a ``DeviceSpec`` (peak FLOP/s per dtype, memory
 per device, memory bandwidth, achieved efficiencies; ``autopar.hardware``), the logical ``mesh_shape`` with ``axis_names``, one ``Link``
 (alpha-beta: per-device bus bandwidth in bytes/s, latency in s) per mesh axis, the
-collective ``backend``, ``devices_per_node`` and ``comm_overlap`` (the fraction of weight
-gathers and gradient reductions the runtime hides under compute; 0 today). ``to_dict``/
+collective ``backend`` and ``devices_per_node``. What the runtime overlaps is priced from
+its schedule (``autopar.cost_models.buckets``), not set here. ``to_dict``/
 ``from_dict`` round-trip exactly through JSON; ``save``/``load`` write and read a cluster
 file (``autopar calibrate`` measures one). Nothing here talks to a process group except ``Cluster.local`` (which checks the
 world size) and ``Cluster.device_mesh`` (which builds the DTensor ``DeviceMesh``).
@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -139,16 +140,8 @@ class Cluster:
     backend: str = "nccl"
     devices_per_node: int = 8
     fabric: Fabric | None = None  # presets know it; lets the search re-mesh the devices
-    # A uniform fraction of a collective hidden under compute (`cost_models.comm.exposed`),
-    # kept for cluster files that carry it; the search does not apply it: the overlap the
-    # runtime gets (`passes.comm`) is priced from its schedule (`cost_models.buckets`).
-    comm_overlap: float = 0.0
 
     def __post_init__(self) -> None:
-        overlap = float(self.comm_overlap)
-        if not 0 <= overlap < 1:
-            raise ValueError(f"comm_overlap must be in [0, 1), got {self.comm_overlap!r}")
-        object.__setattr__(self, "comm_overlap", overlap)
         mesh = tuple(self.mesh_shape)
         names = tuple(self.axis_names)
         links = tuple(self.links)
@@ -211,12 +204,18 @@ class Cluster:
             "links": [lk.to_dict() for lk in self.links],
             "backend": self.backend,
             "devices_per_node": self.devices_per_node,
-            "comm_overlap": self.comm_overlap,
             **({"fabric": self.fabric.to_dict()} if self.fabric else {}),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Cluster:
+        if float(data.get("comm_overlap") or 0.0):  # a file from before stop 31
+            warnings.warn(
+                f"this cluster file sets comm_overlap={data['comm_overlap']}, which autopar "
+                "no longer reads: the communication the runtime hides under compute is "
+                "priced from its schedule (autopar.cost_models.buckets). Remove the key.",
+                stacklevel=2,
+            )
         try:
             return cls(
                 device=DeviceSpec.from_dict(data["device"]),
@@ -226,7 +225,6 @@ class Cluster:
                 backend=data.get("backend", "nccl"),
                 devices_per_node=int(data.get("devices_per_node", 8)),
                 fabric=Fabric.from_dict(data["fabric"]) if "fabric" in data else None,
-                comm_overlap=float(data.get("comm_overlap", 0.0)),
             )
         except (KeyError, TypeError) as e:
             raise ValueError(
@@ -328,7 +326,6 @@ class Cluster:
             self.backend,
             self.devices_per_node,
             self.fabric,
-            self.comm_overlap,
         )
 
     @classmethod

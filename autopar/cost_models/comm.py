@@ -28,10 +28,9 @@ NCCL's tuner does, an all-reduce takes the cheaper algorithm, so it never costs 
 reduce-scatter plus an all-gather of the same bytes. ``alpha`` is the per-step (per
 message) latency. Point-to-point: ``send_recv_time = alpha + B / beta``.
 
-Overlap (``exposed``): a uniform fraction ``1 - Cluster.comm_overlap`` of a collective's time,
-kept for cluster files that set it; the search does not apply it. What the runtime overlaps
-(bucketed gradient reductions, prefetched FSDP gathers: `autopar.passes.comm`) is priced
-from that schedule in ``autopar.cost_models.buckets``.
+Overlap: what the runtime overlaps (bucketed gradient reductions, prefetched FSDP
+gathers: `autopar.passes.comm`) is priced from that schedule in
+``autopar.cost_models.buckets``; a collective priced here is its whole time.
 
 Redistribution (``redistribute_time``, ``redistribute_steps``)
 --------------------------------------------------------------
@@ -72,7 +71,6 @@ from autopar.devices import device_for_backend
 __all__ = [
     "Collective",
     "collective_time",
-    "exposed",
     "redistribute_parts",
     "redistribute_plan",
     "redistribute_steps",
@@ -151,11 +149,6 @@ def send_recv_time(nbytes: float, link: Link) -> float:
     if nbytes <= 0:
         return 0.0
     return link.latency + float(nbytes) / link.kind_bandwidth("p2p")
-
-
-def exposed(seconds: float, cluster: Cluster) -> float:
-    """The part of an overlappable collective's ``seconds`` the step waits for."""
-    return seconds * (1.0 - cluster.comm_overlap)
 
 
 def transition_kind(cur: Any, tgt: Any) -> Collective | None:
