@@ -59,6 +59,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from enum import Enum
+from functools import lru_cache
 from typing import Any
 
 from torch.distributed.tensor import Replicate, Shard
@@ -248,20 +249,36 @@ def redistribute_parts(
 ) -> list[tuple[int, Collective, float]] | None:
     """``(axis, kind, B bytes)`` per collective of ``src -> dst`` in execution order (free
     local steps left out); ``None`` when DTensor cannot perform the transition."""
+    moves = redistribute_moves(tuple(src), tuple(dst), tuple(cluster.mesh_shape))
+    if moves is None:
+        return None
+    mesh = cluster.mesh_shape
+    return [
+        (axis, kind, float(local_numel(shape, full, mesh) * itemsize)) for axis, kind, full in moves
+    ]
+
+
+@lru_cache(maxsize=65_536)
+def redistribute_moves(
+    src: tuple, dst: tuple, mesh_shape: tuple[int, ...]
+) -> tuple[tuple[int, Collective, tuple], ...] | None:
+    """``(axis, kind, spec)`` per collective of ``src -> dst`` in execution order, ``spec``
+    the placements the collective's whole value has (the step's axis replicated: the bytes
+    it moves are that spec's local shard); ``None`` when DTensor cannot perform it. What a
+    redistribution does depends on the specs and the mesh, not on the tensor: one answer
+    for every shape (`redistribute_parts` sizes it)."""
     if not strided_reachable(src, dst):
         return None
     out = []
-    for axis, before, cur, tgt in redistribute_plan(src, dst, cluster.mesh_shape):
+    for axis, before, cur, tgt in redistribute_plan(src, dst, mesh_shape):
         kind = transition_kind(cur, tgt)
         if kind is None:
             return None
-        if kind is Collective.LOCAL:
-            continue
-        full_over_axis = list(before)
-        full_over_axis[axis] = Replicate()
-        nbytes = local_numel(shape, full_over_axis, cluster.mesh_shape) * itemsize
-        out.append((axis, kind, float(nbytes)))
-    return out
+        if kind is not Collective.LOCAL:
+            full_over_axis = list(before)
+            full_over_axis[axis] = Replicate()
+            out.append((axis, kind, tuple(full_over_axis)))
+    return tuple(out)
 
 
 def redistribute_time(

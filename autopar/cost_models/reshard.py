@@ -33,14 +33,11 @@ def reshard_seconds(cluster: Cluster, src, dst, shape, itemsize, into_partial=Fa
         return math.inf  # lowering does not redistribute into this Partial: forbidden pair
     if same_spec(src, dst):
         return 0.0
-    seconds = comm.redistribute_time(src, dst, shape, itemsize, cluster)
-    if math.isinf(seconds):
-        return seconds  # a transition DTensor cannot perform (a re-split strided shard)
-    launches = sum(
-        cluster.links[axis].latency
-        for axis, _ in comm.redistribute_steps(src, dst, cluster.mesh_shape)
-    )
-    return seconds + launches
+    parts = comm.redistribute_parts(src, dst, shape, itemsize, cluster)
+    if parts is None:
+        return math.inf  # a transition DTensor cannot perform (a re-split strided shard)
+    seconds = sum(comm.collective_time(kind, nbytes, axis, cluster) for axis, kind, nbytes in parts)
+    return seconds + sum(cluster.links[axis].latency for axis, _, _ in parts)  # launches
 
 
 @lru_cache(maxsize=200_000)
