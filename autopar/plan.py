@@ -175,7 +175,15 @@ class PipelinePlan:
 
     `stage_cuts[s]` is the index (in graph order) of the first layer of stage s; the node
     placements of the plan apply to every stage's submesh `stage_mesh` (named
-    `stage_axis_names`). Stage s runs on pipeline rank `rank_of_stage[s]`."""
+    `stage_axis_names`). Stage s runs on pipeline rank `rank_of_stage[s]`.
+
+    `boundary`: how an activation crosses from one stage to the next. "placed": as its
+    producer's output placement (a Partial reduced), each rank sending its whole local
+    shard to the rank at its place in the next stage's mesh. "scattered": split over the
+    stage mesh's replicated axes too (`scattered_spec`), each rank sending 1/n of it; the
+    next stage gathers it back where its plan needs it (Megatron's scatter/gather of
+    pipeline messages: less traffic on the slow inter-stage link for a gather on the
+    fast one)."""
 
     pp: int
     stage_cuts: tuple[int, ...]
@@ -186,10 +194,39 @@ class PipelinePlan:
     stage_axis_names: tuple[str, ...]
     rank_of_stage: tuple[int, ...]
     timeline: tuple[str, ...] = ()  # text rows, one per pipeline rank (see search/schedules)
+    boundary: str = "placed"  # or "scattered"
+
+    def __post_init__(self) -> None:
+        if self.boundary not in BOUNDARIES:
+            raise ValueError(f"pipeline boundary {self.boundary!r}: expected one of {BOUNDARIES}")
 
     @classmethod
     def from_dict(cls, raw: dict) -> PipelinePlan:
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+
+
+BOUNDARIES = ("placed", "scattered")
+
+
+def scattered_spec(spec: Spec, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> Spec:
+    """`spec` (a boundary value's, no Partial) with each replicated mesh axis of size > 1
+    splitting a dim of its own too: the first dim no axis splits yet whose size that axis
+    divides (an axis no such dim exists for stays replicated). One dim per axis, so the
+    split is the same whatever order the axes are applied in."""
+    out = list(spec)
+    split = {p.dim for p in spec if isinstance(p, Shard)}
+    for axis, p in enumerate(spec):
+        n = mesh_shape[axis]
+        if not isinstance(p, Replicate) or n == 1:
+            continue
+        dim = next(
+            (d for d, size in enumerate(shape) if d not in split and size >= n and size % n == 0),
+            None,
+        )
+        if dim is not None:
+            out[axis] = Shard(dim)
+            split.add(dim)
+    return tuple(out)
 
 
 MIB = 1024 * 1024

@@ -6,13 +6,16 @@ gradients (the issue's tolerance for pipelines: microbatch sums reorder float ad
 Schedules are spread over the meshes so that each one runs with DP and with TP inside its
 stages; interleaved and V-shaped schedules hold 2 virtual stages per rank. The zero-bubble
 schedules run each stage's backward split into its input- and weight-gradient halves
-(`runtime.zero_bubble`), and the simulator prices the halves as they run. The drop-less MoE
+(`runtime.zero_bubble`), and the simulator prices the halves as they run. On pp x tp, two
+cases run with the activations scattered over tp between the stages (`PipelinePlan.boundary`).
+The drop-less MoE
 (`samples/_moe_dropless.py`, a region) runs pipelined on pp x dp: its aux-loss sum crosses
 the stage boundary and enters the next stage as the Partial its plan keeps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -74,6 +77,12 @@ def test_pipeline_matches_single_device(world, mesh, names, strategy, schedules)
         # the stage boundary complete and enters stage 1 as the Partial its plan keeps
         moe = dict(config="tiny-dropless", steps=STEPS, schedule="1f1b", microbatches=2)
         cases.append(ParityCase("moe", mesh, names, "dp", **moe))
+    if names == ("pp", "tp"):  # activations scattered over tp between the stages
+        cases += [
+            dataclasses.replace(c, boundary="scattered")
+            for c in _cases("gpt", mesh, names, strategy, ("1f1b",))
+            + _cases("llama", mesh, names, strategy, ("zbv",))
+        ]
     # 8 rows in 4 microbatches of 2 over dp = 4: a clear error on every rank, no hang
     (too_thin,) = _cases("gpt", (1, 4), ("pp", "dp"), "dp", ("1f1b",))
     if names == ("pp", "dp"):
@@ -329,7 +338,7 @@ def test_stages_are_priced_with_the_communication_pass() -> None:
     assert best.step_time < waited.step_time
     # a stage sends its rank's shard of the residual stream: a microbatch's 2 rows over dp
     cfg = model.config
-    assert costs.boundary_bytes == 2 // 2 * cfg.block_size * cfg.n_embd * 4
+    assert costs.crossing.placed_bytes == 2 // 2 * cfg.block_size * cfg.n_embd * 4
     # the fsdp layers' gradient reduce-scatters run in every microbatch's backward
     scatters = [g for g in costs.parts[0].grads if not reduced_per_step(g)]
     assert scatters and all(g in costs.parts[0].program[0].grads for g in scatters)
@@ -372,6 +381,7 @@ def _synthetic(grads=(), layer_forward: float | None = None, pre: float = 0.0):
     from autopar.cluster import Cluster
     from autopar.cost_models.buckets import collective_times
     from autopar.plan import DEFAULT_COMM
+    from autopar.search.crossing import Crossing
     from autopar.search.inter_op import LayerCosts, PartCost, stage_cluster
     from autopar.search.step import Part
 
@@ -389,7 +399,7 @@ def _synthetic(grads=(), layer_forward: float | None = None, pre: float = 0.0):
         time=pre_compute, program=(Part(forward=pre_compute / 3, backward=2 * pre_compute / 3),)
     )
     names = tuple(f"layers.{i}" for i in range(4))
-    costs = LayerCosts(names, (layer,) * 4, pre, PartCost(), 0.0, DEFAULT_COMM)
+    costs = LayerCosts(names, (layer,) * 4, pre, PartCost(), Crossing(), DEFAULT_COMM)
     return costs, cluster, g
 
 
@@ -532,3 +542,83 @@ def test_gathers_prefetch_in_issue_order() -> None:
         result = solve_intra(captured, cluster, mesh, options, comm=DEFAULT_COMM)
     layers = program_parts(captured, result)[1:-1]
     assert layers and all(p.gathers and 0 < p.tail < p.forward for p in layers)
+
+
+def test_scattered_boundary_splits_each_replicated_axis_on_a_dim_of_its_own() -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    from autopar.plan import PipelinePlan, scattered_spec
+
+    r = Replicate()
+    # dp shards the rows; tp takes the first dim it divides that no axis splits
+    assert scattered_spec((Shard(0), r), (2, 16, 32), (2, 4)) == (Shard(0), Shard(1))
+    assert scattered_spec((r, r), (4, 6), (2, 3)) == (Shard(0), Shard(1))
+    assert scattered_spec((r, Shard(0)), (4, 6), (2, 2)) == (Shard(1), Shard(0))
+    # no dim the axis divides (or a size-1 axis): it stays replicated
+    assert scattered_spec((r,), (3, 5), (4,)) == (r,)
+    assert scattered_spec((r, r), (8,), (1, 2)) == (r, Shard(0))
+    with pytest.raises(ValueError, match="pipeline boundary 'flat'"):
+        PipelinePlan(2, (0, 1), ("a", "b"), "1f1b", 2, (2,), ("tp",), (0, 1), boundary="flat")
+
+
+def test_a_scattered_boundary_is_run_where_it_is_faster() -> None:
+    """`price_schedule` simulates both boundaries where scattering sends less and keeps the
+    faster; its stage times carry the redistributions the scattered one adds."""
+    from dataclasses import replace
+
+    from autopar.cost_models.comm import send_recv_time
+    from autopar.search.crossing import Crossing
+    from autopar.search.inter_op import price_schedule
+
+    costs, cluster, g = _synthetic([], layer_forward=1e-3)
+    link = cluster.links[0]
+    big = 64 * link.bandwidth * 1e-3  # 64 ms of messages placed, 4 ms scattered
+    assert send_recv_time(big, link) > 50e-3
+    placed = price_schedule(replace(costs, crossing=Crossing(big, big)), "1f1b", 2, 4, cluster)
+    assert placed.boundary == "placed"
+    cheap = Crossing(big, big / 16, receive=(1e-4, 1e-4), send=(0.0, 1e-4))
+    fast = price_schedule(replace(costs, crossing=cheap), "1f1b", 2, 4, cluster)
+    assert fast.boundary == "scattered" and fast.step_time < placed.step_time
+    assert fast.stage_times[0] == pytest.approx(placed.stage_times[0] + 1e-4)  # sends
+    assert fast.stage_times[1] == pytest.approx(placed.stage_times[1] + 2e-4)  # receives
+    # redistributions dearer than the messages they shorten: placed
+    dear = Crossing(big, big / 16, receive=(1.0, 1.0))
+    slow = price_schedule(replace(costs, crossing=dear), "1f1b", 2, 4, cluster)
+    assert slow.boundary == "placed" and slow.step_time == placed.step_time
+    # no rank-to-rank boundary (two stages on a pipeline of one rank): placed, unsimulated
+    one = replace(cluster, mesh_shape=(1, 2))
+    assert price_schedule(replace(costs, crossing=cheap), "1f1b", 1, 4, one).boundary == "placed"
+
+
+def test_the_residual_stream_crossing_is_priced_both_ways() -> None:
+    """Stages holding TP with the residual stream replicated over tp: scattered, each rank
+    sends half of it, and the receiving stage's layer gathers it back (an all-gather more
+    in its forward) where placed it sent the whole."""
+    import torch.distributed as dist
+
+    from autopar._compat import FakeStore
+    from autopar.cluster import Cluster
+    from autopar.options import PlanOptions
+    from autopar.planning import prepare
+    from autopar.search.inter_op import layer_costs, solve_pipeline
+    from autopar.search.pins import SearchOptions
+    from samples import get_sample
+
+    sample = get_sample("gpt")
+    model = sample.build("tiny4", device="meta")
+    batch = sample.example_batch(model, 8, device="meta")
+    cluster = Cluster.preset("cpu", mesh=(2, 2), axis_names=("pp", "tp"))
+    options = PlanOptions(strategy="tp", schedule="1f1b", microbatches=4)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        job, captured, _, _ = prepare(model, batch, cluster, None, options)
+        mesh = job.cluster.device_mesh()[("tp",)]
+        search = SearchOptions.from_options(job.options)
+        result, _, _ = solve_pipeline(captured, job.cluster, mesh, search, job.pipeline)
+    finally:
+        dist.destroy_process_group()
+    crossing = layer_costs(captured, result).crossing
+    cfg = model.config
+    assert crossing.placed_bytes == 2 * cfg.block_size * cfg.n_embd * 4  # 2 rows, whole
+    assert crossing.scattered_bytes == crossing.placed_bytes / 2 and crossing.can_scatter
+    assert crossing.receive[0] > 0  # the gather back, in the receiving stage's forward

@@ -6,8 +6,9 @@ several virtual stages (interleaved: stages r, r+pp, ...; V-shaped schedules: r 
 AOTAutograd from the same DTensor interpretation as the non-pipelined lowering (forward and
 backward graphs of local ops and functional collectives on the stage's submesh, no DTensor
 dispatch when it runs). Activations travel between stages as local shards in the
-producing node's placement; the receiving program wraps them back and reshards if its plan
-says so. The global batch is cut into microbatches *before* sharding, so microbatch i is
+producing node's placement, or split over the stage mesh's replicated axes too where the
+plan's pipeline boundary is "scattered" (`boundary_spec`: each rank sends 1/n of it); the
+receiving program wraps them back and reshards (gathers) if its plan says so. The global batch is cut into microbatches *before* sharding, so microbatch i is
 the same rows whatever the data-parallel degree.
 
 Gradients are synchronized once per step: a stage program's backward leaves each
@@ -41,7 +42,7 @@ from autopar.passes.lower import PlacedInterpreter, _wrap
 from autopar.passes.precision import ParamBoundary
 from autopar.passes.recompute import recompute_activations, recomputed_nodes
 from autopar.passes.stages import StageGraph
-from autopar.plan import MemoryPlan, Plan, parse_spec
+from autopar.plan import MemoryPlan, Plan, parse_spec, scattered_spec
 from autopar.runtime.inductor import aot_compiler
 from autopar.runtime.shards import local_chunk, mesh_device
 from autopar.runtime.stage_grads import is_sum_partial
@@ -83,9 +84,15 @@ class StageModule(nn.Module):
                 local_chunk(full_state[n], parse_spec(tensors[n].spec), mesh),
                 persistent=False,
             )
-        self._specs = [boundary_spec(plan, n) for n in stage.params + stage.buffers + stage.inputs]
-        self._shapes = [global_shape(stage, n) for n in stage.params + stage.buffers + stage.inputs]
-        self._out_specs = [None if n == "loss" else boundary_spec(plan, n) for n in stage.outputs]
+        names = stage.params + stage.buffers + stage.inputs
+        self._shapes = [global_shape(stage, n) for n in names]
+        self._specs = [
+            boundary_spec(plan, n, shape) for n, shape in zip(names, self._shapes, strict=True)
+        ]
+        self._out_specs = [
+            None if n == "loss" else boundary_spec(plan, n, global_shape(stage, n))
+            for n in stage.outputs
+        ]
         self.ready: Callable[[int], None] | None = None  # called with the stage's index
         # parameter index -> its gradient's placements as the backward leaves it (known
         # once AOTAutograd traced the backward, at the first call)
@@ -216,19 +223,27 @@ def _to_local(value, spec, mesh: DeviceMesh) -> torch.Tensor:
     return value.to_local()
 
 
-def boundary_spec(plan: Plan, name: str):
-    """How a value crossing a stage boundary (or entering one) is sharded: its producer's
-    planned output, with a Partial reduced (stages exchange complete values)."""
+def boundary_spec(plan: Plan, name: str, shape: tuple[int, ...] | None = None):
+    """How a value crossing a stage boundary (or entering one) is sharded: a model input,
+    parameter or buffer as stored; an activation (of global `shape`) as its producer's
+    planned output with a Partial reduced (stages exchange complete values), and split
+    over the replicated axes too where the plan's pipeline boundary is "scattered"
+    (`plan.scattered_spec`): the sender and the receiver derive the same spec."""
     for t in plan.tensors:
         if t.name == name:
             return parse_spec(t.spec)
     node = plan.node(name)
     spec = parse_spec(node.outputs[0])
-    return tuple(Replicate() if p.is_partial() else p for p in spec)
+    spec = tuple(Replicate() if p.is_partial() else p for p in spec)
+    pipeline = plan.pipeline
+    if pipeline is not None and pipeline.boundary == "scattered" and shape is not None:
+        return scattered_spec(spec, shape, plan.stage_mesh_shape)
+    return spec
 
 
 def global_shape(stage: StageGraph, name: str) -> tuple[int, ...]:
-    node = next(n for n in stage.gm.graph.nodes if n.op == "placeholder" and n.name == name)
+    """The global shape of the value `name` in the stage's graph (an input or an output)."""
+    node = next(n for n in stage.gm.graph.nodes if n.name == name)
     return tuple(node.meta["val"].shape)
 
 
@@ -240,7 +255,7 @@ def _example(stage: StageGraph, plan: Plan, names: list[str], mesh: DeviceMesh):
         # this rank's own piece: an uneven split (a microbatch of 3 rows on dp=2) differs
         # from rank to rank, and PipelineStage checks what it receives against the example
         meta = torch.empty(tuple(val.shape), device="meta")
-        shape = local_chunk(meta, boundary_spec(plan, name), mesh).shape
+        shape = local_chunk(meta, boundary_spec(plan, name, tuple(val.shape)), mesh).shape
         example = torch.zeros(shape, dtype=val.dtype, device=mesh_device(mesh))
         # PipelineStage reads requires_grad off the examples: activations carry gradients
         out.append(example.requires_grad_(val.dtype.is_floating_point))

@@ -41,7 +41,6 @@ import math
 from dataclasses import dataclass, replace
 from itertools import groupby
 
-import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.capture import Captured
@@ -50,7 +49,6 @@ from autopar.capture.export import layer_of
 from autopar.cluster import Cluster
 from autopar.cost_models.buckets import Grad, collective_times, fused_time
 from autopar.cost_models.comm import Collective, send_recv_time
-from autopar.cost_models.memory import local_numel
 from autopar.plan import (
     DEFAULT_COMM,
     SCHEDULES,
@@ -58,6 +56,7 @@ from autopar.plan import (
     stage_ranks,
 )
 from autopar.search.costs import CostWeights
+from autopar.search.crossing import Crossing, crossing
 from autopar.search.ilp import MemoryInfeasible
 from autopar.search.intra_op import IntraOpResult, prepare_intra, solve_intra
 from autopar.search.pins import SearchOptions
@@ -146,7 +145,7 @@ class LayerCosts:
     parts: tuple[PartCost, ...]  # per layer
     pre: PartCost  # outside the layers, before the first (embedding)
     post: PartCost  # after the last layer (final norm, head, loss)
-    boundary_bytes: float  # activation bytes a stage sends per microbatch
+    crossing: Crossing  # what an activation crossing a stage boundary costs (placed, scattered)
     comm: CommPlan | None = None  # the stage programs' communication pass (None: none)
     # ZeRO: bytes the all-gathers after the optimizer step move (the working parameters,
     # `runtime.optimizer.ParamState`) per gradient byte reduced; 0: no ZeRO
@@ -201,34 +200,15 @@ def layer_costs(captured: Captured, result: IntraOpResult) -> LayerCosts:
             post += cost
         else:
             pre += cost
-    boundary = _boundary_bytes(captured, result)
     zero = zero_gather_ratio(captured, result)
-    return LayerCosts(tuple(layers), tuple(parts), pre, post, boundary, result.comm, zero)
+    return LayerCosts(
+        tuple(layers), tuple(parts), pre, post, crossing(captured, result), result.comm, zero
+    )
 
 
 def _grads(result: IntraOpResult, n, pos: int, op) -> list[Grad]:
     src = result.ctx.output_spec(op, result.chosen[op.producer])
     return result.ctx.grad_reductions(op, src, n, result.chosen[n], pos)
-
-
-def _boundary_bytes(captured: Captured, result: IntraOpResult) -> float:
-    """Bytes of the residual stream entering the second layer as one rank sends it: its
-    local shard under the producer's chosen output placement (a Partial reduced first:
-    the stages exchange complete values, `runtime.pipeline.boundary_spec`)."""
-    layers = layer_order(captured)
-    if len(layers) < 2:
-        return 0.0
-    for n in captured.gm.graph.nodes:
-        if layer_of(n) == layers[1]:
-            for a in n.all_input_nodes:
-                if layer_of(a) == layers[0] and isinstance(a.meta.get("val"), torch.Tensor):
-                    v = a.meta["val"]
-                    spec = result.chosen[a].outputs[0] if a in result.chosen else None
-                    if spec is None:
-                        return float(v.numel() * v.element_size())
-                    mesh = result.ctx.mesh_shape
-                    return float(local_numel(v.shape, spec, mesh) * v.element_size())
-    return 0.0
 
 
 def _stage_parts(lc: LayerCosts, cuts: tuple[int, ...]) -> list[PartCost]:
@@ -286,6 +266,7 @@ class PricedSchedule:
     step_time: float  # the timeline's ranks, each done when its gradient sync is, seconds
     stage_times: tuple[float, ...] = ()  # one microbatch's forward + backward per stage
     sync: float = 0.0  # what the gradient sync adds to the timeline (step - timeline), s
+    boundary: str = "placed"  # how activations cross the stages (`search.crossing`)
 
     def info(self) -> dict:
         """What the plan's search info records of the schedule (`views.tables.step_text`
@@ -321,10 +302,29 @@ def price_schedule(
     if cuts is None:
         cuts = balanced_cuts(lc.time, num, prices=(span or _StageSpans(lc, sub)).prices())
     stages = _stage_parts(lc, cuts)
-    pp_axis = cluster.axis_names.index("pp")
-    p2p = send_recv_time(lc.boundary_bytes, cluster.links[pp_axis])
-    times = [stage_time(p, sub, lc.comm) for p in stages]
     ranks = stage_ranks(schedule, pp)
+    between = sum(ranks[s] != ranks[s + 1] for s in range(num - 1))  # from rank to rank
+    run = (lc, schedule, pp, microbatches, cluster, cuts, stages, ranks)
+    placed = _simulated(*run, scattered=False)
+    if not (lc.crossing.can_scatter and between):
+        return placed
+    return min(placed, _simulated(*run, scattered=True), key=lambda p: p.step_time)
+
+
+def _simulated(lc, schedule, pp, microbatches, cluster, cuts, stages, ranks, scattered):
+    """The schedule's timeline and step on `stages`, its activations placed or scattered
+    (`search.crossing`: smaller messages between ranks, redistributions on every stage
+    boundary, receiving and sending)."""
+    num, sub, cross = len(stages), stage_cluster(cluster), lc.crossing
+    link = cluster.links[cluster.axis_names.index("pp")]
+    p2p = send_recv_time(cross.scattered_bytes if scattered else cross.placed_bytes, link)
+    times = [stage_time(p, sub, lc.comm) for p in stages]
+    fwd, bwd = [t / 3 for t in times], [2 * t / 3 for t in times]
+    if scattered:  # a stage receives (all but the first) and sends (all but the last)
+        for s in range(num):
+            for adds, on in ((cross.receive, s > 0), (cross.send, s < num - 1)):
+                fwd[s], bwd[s] = fwd[s] + adds[0] * on, bwd[s] + adds[1] * on
+                times[s] += sum(adds) * on
     grads = [[g for g in p.grads if reduced_per_step(g)] for p in stages]
     ready = None
     if lc.zero:  # reduce-scatters; the parameters' all-gathers before each stage's forward
@@ -332,8 +332,8 @@ def price_schedule(
         grads = [[(k, Collective.REDUCE_SCATTER, a, b) for k, _, a, b in gs] for gs in grads]
     tl = simulate(
         schedule,
-        [t / 3 for t in times],
-        [2 * t / 3 for t in times],
+        fwd,
+        bwd,
         microbatches,
         pp,
         p2p,
@@ -350,7 +350,9 @@ def price_schedule(
         done = synced_end(tl.ends[r], [tl.grads_done[s] for s in own], syncs)
         finish.append(done + sum(p.update for p in mine))  # then its optimizer step
     step = max(finish)
-    return PricedSchedule(schedule, cuts, tl, max(peak), step, tuple(times), step - tl.step_time)
+    boundary = "scattered" if scattered else "placed"
+    sync = step - tl.step_time
+    return PricedSchedule(schedule, cuts, tl, max(peak), step, tuple(times), sync, boundary)
 
 
 def _gathered(grads: list[list[Grad]], ranks: list[int], ratio: float, sub) -> list[float]:

@@ -57,4 +57,5 @@ def pipeline_plan(
         stage_axis_names=sub.axis_names,
         rank_of_stage=tuple(stage_ranks(best.schedule, pp)),
         timeline=best.timeline.rows,
+        boundary=best.boundary,
     )

@@ -64,6 +64,7 @@ class ParityCase:
     shard_optimizer: bool = False
     shard_gradients: bool = False
     placements: tuple[tuple[str, str], ...] = ()  # pinned (parameter, spec) pairs
+    boundary: str | None = None  # a pipeline's boundary pinned on the searched plan
 
     @property
     def label(self) -> str:
@@ -81,6 +82,7 @@ class ParityCase:
         label += f"-{self.mixed_precision}" if self.mixed_precision else ""
         zero = 2 if self.shard_gradients else 1 if self.shard_optimizer else 0
         label += "-pinned" if self.placements else ""
+        label += f"-{self.boundary}" if self.boundary else ""
         return label + (f"-zero{zero}" if zero else "")
 
 
@@ -368,13 +370,15 @@ def check(
 
 
 def _compiled(case: ParityCase, model, batch, plans: dict):
-    """autopar.compile for `case`: searched, or with memory levers the searched plan (its
-    base case's when `plans` has it) with the case's recompute and reshard."""
+    """autopar.compile for `case`: searched, or with memory levers (or a pipeline boundary)
+    the searched plan (its base case's when `plans` has it) with the case's recompute and
+    reshard (or boundary)."""
     import autopar
 
     cluster = autopar.Cluster.local(mesh=case.mesh, axis_names=case.axis_names)
-    base = dataclasses.replace(case, memory=None)
-    plan = plans.get(base) if case.memory is not None else None
+    base = dataclasses.replace(case, memory=None, boundary=None)
+    pinned = case.memory is not None or case.boundary is not None
+    plan = plans.get(base) if pinned else None
     if plan is None:
         pm = autopar.compile(
             model,
@@ -391,11 +395,15 @@ def _compiled(case: ParityCase, model, batch, plans: dict):
             placements=dict(case.placements) or None,
         )
         plan = plans[base] = pm.plan
-        if case.memory is None:
+        if not pinned:
             return pm
-    levers = {"recompute": case.memory.recompute}
-    levers["reshard_after_forward"] = case.memory.reshard_after_forward
-    plan = dataclasses.replace(plan, memory=dataclasses.replace(plan.memory, **levers))
+    if case.memory is not None:
+        levers = {"recompute": case.memory.recompute}
+        levers["reshard_after_forward"] = case.memory.reshard_after_forward
+        plan = dataclasses.replace(plan, memory=dataclasses.replace(plan.memory, **levers))
+    if case.boundary is not None:
+        pipeline = dataclasses.replace(plan.pipeline, boundary=case.boundary)
+        plan = dataclasses.replace(plan, pipeline=pipeline)
     return autopar.compile(
         model, batch, cluster=cluster, plan=plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR)
     )

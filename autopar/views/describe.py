@@ -181,6 +181,7 @@ def describe(plan: Plan) -> dict:
             "pp": p.pp,
             "schedule": p.schedule,
             "microbatches": p.microbatches,
+            "boundary": p.boundary,
             "bubble": plan.solver.get("bubble"),
             "timeline": list(p.timeline),
         }
@@ -313,6 +314,7 @@ def _pipeline_lines(plan: Plan, d: dict) -> list[str]:
         f"pipeline: {p.pp} ranks x {len(p.stage_cuts) // p.pp} stages each, schedule "
         f"{p.schedule}, {p.microbatches} microbatches, bubble "
         f"{(d['pipeline']['bubble'] or 0) * 100:.1f}%"
+        + (", activations scattered between stages" if p.boundary == "scattered" else "")
     ]
     for st in d["stages"]:
         layers = st["layers"]

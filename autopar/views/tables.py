@@ -98,6 +98,7 @@ def _pipeline_rows(plan: Plan) -> dict[str, str]:
         f"({stages // p.pp} per rank), {len(p.layers)} layers cut at {list(p.stage_cuts)}",
         "schedule": p.schedule,
         "microbatches": f"{p.microbatches}{_microbatch_rows(plan)}",
+        "stage boundary": p.boundary,
         "bubble": "(unknown)" if bubble is None else f"{100 * bubble:.1f}% (predicted)",
     }
 

@@ -1,0 +1,104 @@
+"""What an activation crossing a pipeline stage boundary costs, placed or scattered.
+
+`crossing(captured, result) -> Crossing` prices the residual stream entering the second
+layer (what every stage cut carries) as the pipeline runtime moves it
+(`runtime.pipeline.boundary_spec`), both ways `PipelinePlan.boundary` names:
+
+- "placed": the producer's output placement, a Partial reduced; each rank sends its local
+  shard to its peer in the next stage.
+- "scattered": the same placement split over the stage mesh's replicated axes too
+  (`plan.scattered_spec`): each rank sends 1/n of what it sends placed. The sending stage
+  redistributes into that spec (a local chunk from Replicate, a reduce-scatter instead of
+  an all-reduce from a Partial) and its backward gathers the gradient back; the receiving
+  stage's consumers redistribute from it (an all-gather where they read it replicated)
+  and their gradients into it (a reduce-scatter where an all-reduce was).
+
+`Crossing` holds the bytes each way sends and the seconds the scattered way adds (or saves)
+per microbatch to a receiving and a sending stage's forward and backward, against the
+placed way's: the redistributions priced by the ILP's own `CostContext` on the stage mesh.
+Where scattering sends less and stages sit on different ranks, `inter_op.price_schedule`
+simulates the schedule both ways and keeps the faster (the messages it shortens may lie off
+the critical path, the redistributions on it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Replicate
+
+from autopar.capture import Captured
+from autopar.capture.analysis import layer_order
+from autopar.capture.export import layer_of
+from autopar.cost_models.memory import local_numel
+from autopar.cost_models.reshard import reshard_seconds
+from autopar.plan import scattered_spec
+
+
+@dataclass(frozen=True, slots=True)
+class Crossing:
+    placed_bytes: float = 0.0  # what one rank sends placed, per microbatch
+    scattered_bytes: float = 0.0  # what one rank sends scattered
+    # seconds scattering adds per microbatch (negative: saves), on the stage that receives
+    # and on the one that sends, forward and backward
+    receive: tuple[float, float] = (0.0, 0.0)
+    send: tuple[float, float] = (0.0, 0.0)
+
+    @property
+    def can_scatter(self) -> bool:
+        """Scattering sends less, and the runtime can redistribute both ways."""
+        finite = all(math.isfinite(t) for t in (*self.receive, *self.send))
+        return finite and self.scattered_bytes < self.placed_bytes
+
+
+def crossing(captured: Captured, result) -> Crossing:
+    """The residual stream's crossing (layer 0's output read by layer 1) under `result`
+    (an `IntraOpResult` on the stage mesh); nothing where fewer than two layers."""
+    layers = layer_order(captured)
+    if len(layers) < 2:
+        return Crossing()
+    for n in captured.gm.graph.nodes:
+        if layer_of(n) == layers[1]:
+            for a in n.all_input_nodes:
+                if layer_of(a) == layers[0] and isinstance(a.meta.get("val"), torch.Tensor):
+                    return _priced(a, layers[1], result)
+    return Crossing()
+
+
+def _priced(value: fx.Node, reader: str, result) -> Crossing:
+    v = value.meta["val"]
+    shape, size = tuple(v.shape), v.element_size()
+    if value not in result.chosen:
+        whole = float(v.numel() * size)
+        return Crossing(whole, whole)
+    ctx = result.ctx
+    out = tuple(result.chosen[value].outputs[0])
+    placed = tuple(Replicate() if p.is_partial() else p for p in out)
+    scattered = scattered_spec(placed, shape, ctx.mesh_shape)
+    placed_bytes = float(local_numel(shape, placed, ctx.mesh_shape) * size)
+    if scattered == placed:
+        return Crossing(placed_bytes, placed_bytes)
+    cluster = ctx.cluster
+    send_fwd = reshard_seconds(cluster, out, scattered, shape, size) - reshard_seconds(
+        cluster, out, placed, shape, size
+    )
+    send_bwd = reshard_seconds(cluster, scattered, placed, shape, size)  # the gradient back
+    recv_fwd = recv_bwd = 0.0
+    for user in value.users:
+        if layer_of(user) != reader or user not in result.chosen:
+            continue
+        s = result.chosen[user]
+        for pos, op in ctx.operands(user):
+            if op.producer is value:
+                f1, b1 = ctx.edge_parts(op, scattered, user, s, pos)
+                f0, b0 = ctx.edge_parts(op, placed, user, s, pos)
+                recv_fwd, recv_bwd = recv_fwd + f1 - f0, recv_bwd + b1 - b0
+    return Crossing(
+        placed_bytes,
+        float(local_numel(shape, scattered, ctx.mesh_shape) * size),
+        (recv_fwd, recv_bwd),
+        (send_fwd, send_bwd),
+    )
