@@ -401,8 +401,16 @@ class Plan:
 
     # ---- serialization ---------------------------------------------------------------
     def to_dict(self) -> dict:
-        data = asdict(self)
+        data = self._fields()
         data["content_hash"] = self.content_hash
+        return data
+
+    def _fields(self) -> dict:
+        """`asdict`, a pipeline's default boundary ("placed") left out: a plan saved before
+        `PipelinePlan.boundary` existed reads (and hashes) as it was written."""
+        data = asdict(self)
+        if data.get("pipeline") and data["pipeline"]["boundary"] == "placed":
+            del data["pipeline"]["boundary"]
         return data
 
     @classmethod
@@ -459,7 +467,7 @@ class Plan:
 
     @property
     def content_hash(self) -> str:
-        body = json.dumps(asdict(self), sort_keys=True, default=str)
+        body = json.dumps(self._fields(), sort_keys=True, default=str)
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
     def with_solver(self, **info) -> Plan:

@@ -110,6 +110,29 @@ def test_inspect_pipelined_plan_shows_stages_and_timeline(pp_plan_file: Path) ->
     assert all("F" in row and "B" in row for _, row in timeline)
 
 
+def test_a_pipelined_plan_reads_as_written_with_or_without_its_boundary(
+    pp_plan_file: Path, tmp_path: Path
+) -> None:
+    """The default boundary ("placed") is left out of the file and of the content hash: a
+    plan written before `PipelinePlan.boundary` existed loads unchanged; a scattered one
+    keeps it, and `inspect` names it."""
+    import dataclasses
+    import json
+
+    plan = Plan.load(pp_plan_file)
+    assert plan.pipeline.boundary == "placed"
+    assert "boundary" not in json.loads(pp_plan_file.read_text())["pipeline"]
+    scattered = dataclasses.replace(
+        plan, pipeline=dataclasses.replace(plan.pipeline, boundary="scattered")
+    )
+    path = tmp_path / "scattered.json"
+    scattered.save(path)
+    assert json.loads(path.read_text())["pipeline"]["boundary"] == "scattered"
+    loaded = Plan.load(path)
+    assert loaded == scattered and loaded.content_hash != plan.content_hash
+    assert re.search(r"│ stage boundary\s+│ scattered", invoke("inspect", str(path)))
+
+
 def _span(items: list) -> str:
     return str(items[0]) if len(items) == 1 else f"{items[0]}..{items[-1]}"
 
