@@ -27,6 +27,10 @@ the others compute too, where processes share cores):
 * ``launch_overhead``: a one-element op;
 * fused attention (``scaled_dot_product_attention``): its rate over the matmul peak is
   ``attention_efficiency``;
+* ``overlap_efficiency``: a loop of matmuls and an all-reduce over every rank, each alone
+  and then at once (the all-reduce issued without waiting, as gradient buckets are): the
+  share of the shorter one the other hides (``overlap_efficiency``; 1 where the file has no
+  such measurement);
 * every collective (all-reduce, all-gather, reduce-scatter, all-to-all) on every mesh axis
   over message sizes, and point-to-point between axis neighbours. Per axis, the alpha-beta
   link is the least-squares fit of ``t = steps * alpha + volume * B / beta`` with the cost
@@ -140,6 +144,7 @@ def cluster_from_measurements(
         matmul_half_flops=half,
         attention_efficiency=max(attention, 1e-6),
         launch_overhead=launch,
+        overlap_efficiency=overlap_efficiency(*m["overlap"]) if "overlap" in m else 1.0,
     )
     links = tuple(
         _fit_link(m["comm"][name], n, backend) for name, n in zip(names, mesh, strict=True)
@@ -147,6 +152,16 @@ def cluster_from_measurements(
     widest = max(range(len(mesh)), key=lambda i: mesh[i])
     fabric = Fabric(links[widest], math.inf, links[widest].latency)
     return Cluster(device, mesh, names, links, backend, math.prod(mesh), fabric)
+
+
+def overlap_efficiency(compute: float, collective: float, both: float) -> float:
+    """The share of the shorter of `compute` and `collective` (seconds, each alone) hidden
+    when they run at once and take `both`: (compute + collective - both) / the shorter,
+    in [0, 1]."""
+    shorter = min(compute, collective)
+    if shorter <= 0:
+        return 1.0
+    return min(1.0, max(0.0, (compute + collective - both) / shorter))
 
 
 def _fit_link(rows: list[list[Any]], n: int, backend: str) -> Link:
@@ -261,7 +276,7 @@ def _worker(
         dmesh = init_device_mesh(device, tuple(mesh), mesh_dim_names=tuple(names))
         cfg = SIZES[sizes]
         total = 2 + len(cfg["matmul"]) * len(_DTYPES) + len(cfg["memory"])
-        total += len(names) * len(cfg["comm"]) * (len(_KINDS) + 1)
+        total += len(names) * len(cfg["comm"]) * (len(_KINDS) + 1) + 1
         bar = _Progress(total, show and rank == 0)
         measured = _measure(device, dmesh, names, cfg, bar)
         if rank == 0:
@@ -341,6 +356,8 @@ def _measure(device: str, dmesh, names, cfg: dict[str, Any], bar: _Progress) -> 
     attention = _attention_rate(device, cfg, reps)
     bar.step("attention")
     comm = {name: _measure_axis(device, dmesh, name, cfg, bar) for name in names}
+    overlap = _overlap(device, cfg)
+    bar.step("overlap")
     return {
         "device_name": _device_name(device),
         "memory_bytes": _memory_bytes(device, dist.get_world_size()),
@@ -349,7 +366,38 @@ def _measure(device: str, dmesh, names, cfg: dict[str, Any], bar: _Progress) -> 
         "memory": memory,
         "attention_flops": attention,
         "comm": comm,
+        "overlap": overlap,
     }
+
+
+def _overlap(device: str, cfg: dict[str, Any]) -> list[float]:
+    """(compute, all-reduce, both) seconds: a loop of matmuls alone, an all-reduce of the
+    largest message over every rank alone, and the all-reduce issued without waiting while
+    the same loop runs, then waited (as `passes.comm` overlaps a gradient bucket with the
+    backward); the loop is sized to last about as long as the all-reduce."""
+    n = max(cfg["matmul"])
+    a = torch.randn(n, n, device=device)
+    full = torch.randn(max(cfg["comm"]) // 4, device=device)
+    reduce_s = _timed(lambda: dist.all_reduce(full), device, cfg["reps"], dist.group.WORLD)
+    one = _timed(lambda: a @ a, device, cfg["reps"])
+    t = torch.tensor([max(1, round(reduce_s / max(one, 1e-9)))], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the same loop on every rank
+    calls = int(min(t.item(), _MAX_CALLS))
+
+    def compute() -> None:
+        for _ in range(calls):
+            a @ a
+
+    def both() -> None:
+        work = dist.all_reduce(full, async_op=True)
+        compute()
+        work.wait()
+
+    reps = max(cfg["reps"], 7)  # the difference of three times: more repetitions
+    return [
+        _timed(f, device, reps, dist.group.WORLD)
+        for f in (compute, lambda: dist.all_reduce(full), both)
+    ]
 
 
 def _attention_rate(device: str, cfg: dict[str, Any], reps: int) -> float:

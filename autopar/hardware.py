@@ -28,6 +28,7 @@ _DEVICE_FIELDS = (
     "attention_efficiency",
     "memory_efficiency",
     "launch_overhead",
+    "overlap_efficiency",
 )
 
 
@@ -97,6 +98,10 @@ class DeviceSpec:
     attention_efficiency: float = 1.0  # achieved / peak FLOP/s of fused attention kernels
     memory_efficiency: float = 1.0  # achieved / peak bandwidth of memory-bound kernels
     launch_overhead: float = 0.0  # seconds per kernel (launch, dispatch, tail)
+    # the fraction of a collective's time that hides under compute running meanwhile: 1
+    # for NCCL on its own SMs (the GPU presets' assumption); processes sharing CPU cores
+    # with gloo's threads hide little (`autopar calibrate` measures it)
+    overlap_efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -115,6 +120,10 @@ class DeviceSpec:
             object.__setattr__(self, name, _fraction(getattr(self, name), name))
         for name in ("matmul_half_flops", "launch_overhead"):
             object.__setattr__(self, name, _non_negative(getattr(self, name), name))
+        overlap = float(self.overlap_efficiency)
+        if not 0 <= overlap <= 1:
+            raise ValueError(f"overlap_efficiency must be in [0, 1], got {overlap!r}")
+        object.__setattr__(self, "overlap_efficiency", overlap)
 
     def peak_flops_for(self, dtype: str | torch.dtype) -> float:
         """Peak FLOP/s for ``dtype``; dtypes without an entry fall back to float32."""

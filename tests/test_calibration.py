@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from autopar.calibration import _fit_link, cluster_from_measurements
+from autopar.calibration import _fit_link, cluster_from_measurements, overlap_efficiency
 from autopar.cli import app
 from autopar.cli.args import make_cluster
 from autopar.cluster import Cluster, Link
@@ -66,6 +66,14 @@ def test_cluster_from_measurements_takes_the_largest_sizes_rates() -> None:
     assert c.device.launch_overhead == 5e-6 and c.device.matmul_half_flops >= 0
     assert c.links[0].bandwidth == pytest.approx(2e9, rel=1e-3)
     assert c.reshaped((2,), ("tp",)).links == c.links  # the fabric re-meshes it
+    assert c.device.overlap_efficiency == 1.0  # no overlap measured: as the presets
+    # compute 30 ms, all-reduce 20 ms, both 40 ms: half the all-reduce hidden
+    m["overlap"] = [0.03, 0.02, 0.04]
+    assert cluster_from_measurements(m, (2,), ("dp",), "gloo").device.overlap_efficiency == (
+        pytest.approx(0.5)
+    )
+    assert overlap_efficiency(0.03, 0.02, 0.06) == 0.0  # slower together: nothing hidden
+    assert overlap_efficiency(0.03, 0.02, 0.03) == 1.0
 
 
 def test_calibrate_command_writes_a_loadable_cluster(tmp_path: Path) -> None:
@@ -79,6 +87,7 @@ def test_calibrate_command_writes_a_loadable_cluster(tmp_path: Path) -> None:
     assert all(v > 0 for v in cluster.device.peak_flops.values())
     assert cluster.links[0].bandwidth > 0 and cluster.device.launch_overhead > 0
     raw = json.loads(out.read_text())
-    assert {"matmul", "memory", "comm"} <= set(raw["calibration"])
+    assert {"matmul", "memory", "comm", "overlap"} <= set(raw["calibration"])
+    assert 0.0 <= cluster.device.overlap_efficiency <= 1.0
     assert len(raw["calibration"]["comm"]["dp"]) == 2 * 5  # 2 sizes x (4 collectives + p2p)
     assert make_cluster(str(out), 1, None, "tp").axis_names == ("tp",)

@@ -3,7 +3,8 @@
 For every preset and for a random-ish custom machine: a ring all-reduce never costs more
 than a reduce-scatter plus an all-gather of the same bytes; every collective's cost grows
 with its bytes; a faster axis (more bandwidth, less latency) never costs more; achieved
-efficiencies stay in (0, 1]; compute time grows with FLOPs and bytes. Bucketed gradient reductions
+efficiencies stay in (0, 1]; compute time grows with FLOPs and bytes; a device that hides
+less of the communication under compute (``overlap_efficiency``) never steps faster. Bucketed gradient reductions
 (``cost_models.buckets``, as ``passes.comm`` runs them) never cost more than one collective per
 tensor (the ILP's price); what the step waits for never exceeds the
 communication, and more compute to hide it under never lengthens the step beyond that
@@ -25,6 +26,7 @@ import autopar
 from autopar.cluster import PRESETS, Cluster, DeviceSpec, Fabric, Link
 from autopar.cost_models import buckets, comm, compute
 from autopar.cost_models.comm import Collective, collective_time
+from autopar.search.schedules import synced_end
 
 KINDS = [k for k in Collective if k is not Collective.LOCAL]
 SIZES = [0.0, 1.0, 1e3, 6.5e4, 1e6, 3e7, 1e9, 4e10]
@@ -181,6 +183,29 @@ def _step(cluster: Cluster, scale: float) -> tuple[float, float, float]:
         sizes = [b for layer in reversed(grads) for k, _, _, b in layer if k == key]
         comm_s += sum(buckets.bucket_times(kind, sizes, 0, cluster))
     return step, compute_s, comm_s
+
+
+def _with_overlap(cluster: Cluster, overlap: float) -> Cluster:
+    return replace(cluster, device=replace(cluster.device, overlap_efficiency=overlap))
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS, ids=IDS)
+def test_a_device_that_hides_less_never_steps_faster(cluster: Cluster) -> None:
+    """`DeviceSpec.overlap_efficiency`: hiding a smaller share of what the schedule hides
+    never shortens the step; at 1 it is the schedule's overlap, at 0 every collective is
+    waited (the same buckets, issued and waited at once)."""
+    assert cluster.device.overlap_efficiency == 1.0  # presets: NCCL-like, fully hidden
+    for scale in (0.01, 1.0, 100.0):
+        steps = [_step(_with_overlap(cluster, e), scale)[0] for e in (1.0, 0.75, 0.3, 0.0)]
+        assert all(b >= a * (1 - 1e-12) for a, b in itertools.pairwise(steps)), steps
+        step, compute_s, comm_s = _step(_with_overlap(cluster, 0.0), scale)
+        assert step == pytest.approx(compute_s + comm_s, rel=1e-9)
+    # a pipeline rank's gradient syncs: the share hidden under its remaining actions
+    assert synced_end(10.0, [4.0, 9.0], [2.0, 3.0], overlap=1.0) == 12.0
+    assert synced_end(10.0, [4.0, 9.0], [2.0, 3.0], overlap=0.0) == 15.0  # 10 + 2 + 3
+    assert synced_end(10.0, [4.0, 9.0], [2.0, 3.0], overlap=0.5) == 13.5
+    with pytest.raises(ValueError, match="overlap_efficiency"):
+        _with_overlap(cluster, 1.5)
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS, ids=IDS)

@@ -31,6 +31,11 @@ Exposure (``serial_exposure``): one serial communication channel. Bucket ``k`` s
 ``max(ready_k, done_{k-1})`` (``ready_k``: its last gradient's ready time) and takes ``t_k``;
 the step waits for ``max(0, done_last - end)`` after the backward ends at ``end``.
 
+Overlap efficiency (``DeviceSpec.overlap_efficiency``, ``e``): of the communication the
+schedule hides under compute, the device hides the share ``e``; ``(1 - e)`` of it still adds
+to the step (1: NCCL on its own SMs, the GPU presets'; CPU processes sharing cores with
+gloo's threads, measured by ``autopar calibrate``, hide little).
+
 FSDP prefetch (``prefetch_exposure``): one all-gather per layer and phase; gather ``L+1`` is
 issued when gather ``L``'s wait runs and overlaps layer ``L``'s compute, so it shows
 ``max(0, g_{L+1} - c_L)``; the forward's first gather (the first part that gathers at all)
@@ -214,5 +219,9 @@ def overlapped_step(
         return sum(forward) + clock + waited + exposed_comm
     grad_wait = serial_exposure(ready, durations, clock)
     fwd_wait = prefetch_exposure(list(gathers), list(forward))
+    overlap = cluster.device.overlap_efficiency
+    if overlap < 1:  # what the schedule hides, the device hides only that share of
+        grad_wait += (1 - overlap) * (sum(durations) - grad_wait)
+        fwd_wait += (1 - overlap) * (sum(gathers) - fwd_wait)
     # backward re-gathers are issued at their first reader (not prefetched): waited in full
     return sum(forward) + fwd_wait + clock + sum(regathers) + grad_wait + exposed_comm

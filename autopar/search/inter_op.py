@@ -347,7 +347,8 @@ def _simulated(lc, schedule, pp, microbatches, cluster, cuts, stages, ranks, sca
         mine = [stages[s] for s in own]
         peak.append(sum(p.state for p in mine) + max(p.act for p in mine) * tl.in_flight[r])
         syncs = [fused_time(grads[s], sub) for s in own]
-        done = synced_end(tl.ends[r], [tl.grads_done[s] for s in own], syncs)
+        overlap = sub.device.overlap_efficiency
+        done = synced_end(tl.ends[r], [tl.grads_done[s] for s in own], syncs, overlap)
         finish.append(done + sum(p.update for p in mine))  # then its optimizer step
     step = max(finish)
     boundary = "scattered" if scattered else "placed"

@@ -296,16 +296,21 @@ def replay(
     return Timeline(total, bubble, tuple(peak), actions, tuple(clock), tuple(grads_done))
 
 
-def synced_end(end: float, done: list[float], syncs: list[float]) -> float:
+def synced_end(end: float, done: list[float], syncs: list[float], overlap: float = 1.0) -> float:
     """When a pipeline rank is done: its last action ends at `end`, and each of its stages'
     gradient all-reduce (`syncs`, seconds) goes out when that stage's last backward is done
     (`done`) on the rank's one communication channel, in that order
-    (`runtime.pipeline.GradientSync`); the optimizer waits for the last."""
+    (`runtime.pipeline.GradientSync`); the optimizer waits for the last. Of what hides
+    under the rank's remaining actions, the share `overlap` does
+    (`DeviceSpec.overlap_efficiency`)."""
     channel = 0.0
     for ready, seconds in sorted(zip(done, syncs, strict=True)):
         if seconds:
             channel = max(channel, ready) + seconds
-    return max(end, channel)
+    if overlap >= 1:
+        return max(end, channel)
+    exposed = max(0.0, channel - end)
+    return end + exposed + (1 - overlap) * (sum(syncs) - exposed)
 
 
 def default_microbatches(rows: int, pp: int) -> int:
