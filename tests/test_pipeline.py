@@ -300,37 +300,16 @@ def test_stages_are_priced_with_the_communication_pass() -> None:
     activation sends are priced at the rank's shard, as `runtime.pipeline` sends them."""
     from dataclasses import replace
 
-    import torch.distributed as dist
-
-    from autopar._compat import FakeStore
-    from autopar.cluster import Cluster
-    from autopar.options import PlanOptions
     from autopar.plan import DEFAULT_COMM, SCHEDULES
-    from autopar.planning import prepare
     from autopar.search.inter_op import (
         Dominated,
         _price_schedules,
         layer_costs,
         price_schedule,
         reduced_per_step,
-        solve_pipeline,
     )
-    from autopar.search.pins import SearchOptions
-    from samples import get_sample
 
-    sample = get_sample("gpt")
-    model = sample.build("tiny4", device="meta")
-    batch = sample.example_batch(model, 8, device="meta")
-    cluster = Cluster.preset("cpu", mesh=(2, 2), axis_names=("pp", "dp"))
-    options = PlanOptions(strategy="fsdp", schedule="1f1b", microbatches=4)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
-        job, captured, _, _ = prepare(model, batch, cluster, None, options)
-        search = SearchOptions.from_options(job.options)
-        mesh = job.cluster.device_mesh()[("dp",)]
-        result, best, _ = solve_pipeline(captured, job.cluster, mesh, search, job.pipeline)
-    finally:
-        dist.destroy_process_group()
+    model, job, captured, (result, best, _) = _solved_gpt_pipeline("dp", "fsdp")
     assert result.comm == DEFAULT_COMM and result.info["comm_pass"]
     costs = layer_costs(captured, result)
     waited = price_schedule(replace(costs, comm=None), "1f1b", 2, 4, job.cluster)
@@ -594,31 +573,41 @@ def test_the_residual_stream_crossing_is_priced_both_ways() -> None:
     """Stages holding TP with the residual stream replicated over tp: scattered, each rank
     sends half of it, and the receiving stage's layer gathers it back (an all-gather more
     in its forward) where placed it sent the whole."""
+    from autopar.search.inter_op import layer_costs
+
+    model, _, captured, (result, _, _) = _solved_gpt_pipeline("tp", "tp")
+    crossing = layer_costs(captured, result).crossing
+    cfg = model.config
+    assert crossing.placed_bytes == 2 * cfg.block_size * cfg.n_embd * 4  # 2 rows, whole
+    assert crossing.scattered_bytes == crossing.placed_bytes / 2 and crossing.can_scatter
+    assert crossing.receive[0] > 0  # the gather back, in the receiving stage's forward
+
+
+def _solved_gpt_pipeline(axis: str, strategy: str):
+    """(model, job, captured, `solve_pipeline`'s answer) of the tiny GPT under 1F1B with 4
+    microbatches on pp 2 x `axis` 2 of the cpu preset, `strategy` in the stages (a fake
+    process group of 4)."""
     import torch.distributed as dist
 
     from autopar._compat import FakeStore
     from autopar.cluster import Cluster
     from autopar.options import PlanOptions
     from autopar.planning import prepare
-    from autopar.search.inter_op import layer_costs, solve_pipeline
+    from autopar.search.inter_op import solve_pipeline
     from autopar.search.pins import SearchOptions
     from samples import get_sample
 
     sample = get_sample("gpt")
     model = sample.build("tiny4", device="meta")
     batch = sample.example_batch(model, 8, device="meta")
-    cluster = Cluster.preset("cpu", mesh=(2, 2), axis_names=("pp", "tp"))
-    options = PlanOptions(strategy="tp", schedule="1f1b", microbatches=4)
+    cluster = Cluster.preset("cpu", mesh=(2, 2), axis_names=("pp", axis))
+    options = PlanOptions(strategy=strategy, schedule="1f1b", microbatches=4)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     try:
         job, captured, _, _ = prepare(model, batch, cluster, None, options)
-        mesh = job.cluster.device_mesh()[("tp",)]
         search = SearchOptions.from_options(job.options)
-        result, _, _ = solve_pipeline(captured, job.cluster, mesh, search, job.pipeline)
+        mesh = job.cluster.device_mesh()[(axis,)]
+        solved = solve_pipeline(captured, job.cluster, mesh, search, job.pipeline)
     finally:
         dist.destroy_process_group()
-    crossing = layer_costs(captured, result).crossing
-    cfg = model.config
-    assert crossing.placed_bytes == 2 * cfg.block_size * cfg.n_embd * 4  # 2 rows, whole
-    assert crossing.scattered_bytes == crossing.placed_bytes / 2 and crossing.can_scatter
-    assert crossing.receive[0] > 0  # the gather back, in the receiving stage's forward
+    return model, job, captured, solved
