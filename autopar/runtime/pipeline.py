@@ -8,8 +8,9 @@ backward graphs of local ops and functional collectives on the stage's submesh, 
 dispatch when it runs). Activations travel between stages as local shards in the
 producing node's placement, or split over the stage mesh's replicated axes too where the
 plan's pipeline boundary is "scattered" (`boundary_spec`: each rank sends 1/n of it); the
-receiving program wraps them back and reshards (gathers) if its plan says so. The global batch is cut into microbatches *before* sharding, so microbatch i is
-the same rows whatever the data-parallel degree.
+receiving program wraps them back and reshards (gathers) if its plan says so. The global
+batch is cut into microbatches *before* sharding, so microbatch i is the same rows whatever
+the data-parallel degree.
 
 Gradients are synchronized once per step: a stage program's backward leaves each
 parameter's gradient unreduced on the axes where the parameter is replicated and its
