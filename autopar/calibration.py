@@ -23,7 +23,9 @@ the others compute too, where processes share cores):
   fixed time ``c`` of the fit ``t = f / peak + c`` gives ``matmul_half_flops = c * peak``
   (``autopar.cost_models.compute``: ``f / (peak * f / (f + h)) = (f + h) / peak``);
 * memory-bound ``y = x * 2`` over sizes: ``memory_bandwidth`` = the rate of read + write at
-  the largest size (smaller ones may run from a cache);
+  the largest size (smaller ones may run from a cache; on CPU the largest, 64 MiB, is past
+  glibc's mmap threshold, so each output is freshly mapped as a step's large tensors are:
+  16 MiB measured 2.6 to 20 GB/s from one calibration to the next, 64 MiB 2.3-2.5);
 * ``launch_overhead``: a one-element op;
 * fused attention (``scaled_dot_product_attention``): its rate over the matmul peak is
   ``attention_efficiency``;
@@ -68,7 +70,9 @@ SIZES: dict[str, dict[str, Any]] = {
     "tiny": {"matmul": (32, 64), "memory": (2**12, 2**14), "comm": (2**10, 2**14), "reps": 2},
     "quick": {
         "matmul": (64, 128, 256, 512),
-        "memory": (2**16, 2**18, 2**20, 2**22),
+        # up to 64 MiB: above glibc's largest mmap threshold (32 MiB) a new output is a
+        # fresh mapping, written page fault by page fault, as a step's large tensors are
+        "memory": (2**16, 2**18, 2**20, 2**22, 2**24),
         "comm": (2**10, 2**14, 2**18, 2**21, 2**24),  # up to 16 MiB: the bandwidth shows
         "reps": 3,
     },
