@@ -304,21 +304,22 @@ def price_schedule(
     stages = _stage_parts(lc, cuts)
     ranks = stage_ranks(schedule, pp)
     between = sum(ranks[s] != ranks[s + 1] for s in range(num - 1))  # from rank to rank
-    run = (lc, schedule, pp, microbatches, cluster, cuts, stages, ranks)
+    times = [stage_time(p, sub, lc.comm) for p in stages]
+    run = (lc, schedule, pp, microbatches, cluster, cuts, stages, times, ranks)
     placed = _simulated(*run, scattered=False)
     if not (lc.crossing.can_scatter and between):
         return placed
     return min(placed, _simulated(*run, scattered=True), key=lambda p: p.step_time)
 
 
-def _simulated(lc, schedule, pp, microbatches, cluster, cuts, stages, ranks, scattered):
-    """The schedule's timeline and step on `stages`, its activations placed or scattered
-    (`search.crossing`: smaller messages between ranks, redistributions on every stage
-    boundary, receiving and sending)."""
+def _simulated(lc, schedule, pp, microbatches, cluster, cuts, stages, times, ranks, scattered):
+    """The schedule's timeline and step on `stages` (a microbatch's `times` each), its
+    activations placed or scattered (`search.crossing`: smaller messages between ranks,
+    redistributions on every stage boundary, receiving and sending)."""
     num, sub, cross = len(stages), stage_cluster(cluster), lc.crossing
     link = cluster.links[cluster.axis_names.index("pp")]
     p2p = send_recv_time(cross.scattered_bytes if scattered else cross.placed_bytes, link)
-    times = [stage_time(p, sub, lc.comm) for p in stages]
+    times = list(times)
     fwd, bwd = [t / 3 for t in times], [2 * t / 3 for t in times]
     if scattered:  # a stage receives (all but the first) and sends (all but the last)
         for s in range(num):
