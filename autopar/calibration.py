@@ -10,10 +10,13 @@ gloo: ``autopar.devices.choose_backend``), measures, and returns ``(cluster, mea
 read back. Nothing here names a device: tensors live on the process group's device
 (``autopar.devices.process_group_device``).
 
-What is measured (every rank at once, as training runs; each figure is the mean over ranks
-of the median of a few repetitions after a warm-up; a compute repetition is a loop of calls
-lasting ``_SUSTAIN_S``, timed per call, so that the rate is the one a rank sustains while
-the others compute too, where processes share cores):
+What is measured (every rank at once, as training runs; each figure is the median of a few
+repetitions after a warm-up, the mean over ranks for compute and the slowest rank for a
+collective; a repetition is a loop of calls lasting ``_SUSTAIN_S``, timed per call, so
+that the rate is the one a rank sustains while the others compute too, where processes
+share cores: one gloo collective of a few KiB timed alone measured anywhere from 0.5 to
+11 ms, and the kinds' fitted bandwidth fractions moved 4x from one calibration to the
+next; timed as loops they agree within ~15%):
 
 * matmul ``[n,n] @ [n,n]`` per dtype over sizes (a dtype stops growing once one matmul
   takes over ``_SLOW_S``): ``peak_flops[dtype]`` = the rate achieved at the largest size
@@ -295,16 +298,19 @@ def _sync(device: str) -> None:
 
 
 def _timed(fn: Callable[[], Any], device: str, reps: int, group=None) -> float:
-    """Median seconds of ``fn`` after a warm-up: with a ``group`` (a collective) the slowest
-    of its ranks' (it ends when its last rank does), else the mean over all ranks of the
-    time per call of a loop of calls lasting at least ``_SUSTAIN_S`` on every rank at once:
-    the rate a rank sustains while the others compute too, as in training (one call of a
-    few milliseconds may run while another rank waits for a core: where processes share
-    cores it measured up to twice the rate a training step gets)."""
+    """Median seconds per call of ``fn`` after a warm-up, each repetition a loop of calls
+    lasting at least ``_SUSTAIN_S`` on every rank at once (the same count everywhere): with
+    a ``group`` (a collective) the slowest of its ranks' (it ends when its last rank does),
+    else the mean over all ranks: the rate a rank sustains while the others compute too,
+    as in training (one call of a few milliseconds may run while another rank waits for a
+    core: where processes share cores one call measured up to twice the rate a training
+    step gets, and one collective of a few KiB anywhere from 0.5 to 11 ms)."""
+    fn()  # warm-up (a collective's first call may set up its connections)
+    _sync(device)
     t0 = time.perf_counter()
     fn()
     _sync(device)
-    calls = 1 if group is not None else _calls_lasting(time.perf_counter() - t0, device)
+    calls = _calls_lasting(time.perf_counter() - t0, device)
     times = []
     for _ in range(reps):
         dist.barrier(group=group)
@@ -321,7 +327,8 @@ def _timed(fn: Callable[[], Any], device: str, reps: int, group=None) -> float:
 
 
 def _calls_lasting(one_call_s: float, device: str) -> int:
-    """Calls of a ``one_call_s`` op that last ``_SUSTAIN_S``, the same on every rank."""
+    """Calls of a ``one_call_s`` op that last ``_SUSTAIN_S``, the same on every rank (the
+    fewest any rank asks for)."""
     t = torch.tensor([math.ceil(_SUSTAIN_S / max(one_call_s, 1e-7))], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(min(max(t.item(), 1), _MAX_CALLS))

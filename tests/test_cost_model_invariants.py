@@ -182,6 +182,9 @@ def _step(cluster: Cluster, scale: float) -> tuple[float, float, float]:
     for key, kind in ((("rs",), Collective.REDUCE_SCATTER), (("ar",), Collective.ALL_REDUCE)):
         sizes = [b for layer in reversed(grads) for k, _, _, b in layer if k == key]
         comm_s += sum(buckets.bucket_times(kind, sizes, 0, cluster))
+        for bucket in buckets.bucket_plan(sizes):  # concatenated on the device: compute
+            if len(bucket) > 1:
+                compute_s += buckets.copy_time(kind, sum(sizes[i] for i in bucket), 0, cluster)
     return step, compute_s, comm_s
 
 
@@ -346,3 +349,64 @@ def test_auto_never_loses_to_a_pinned_role_on_a_gloo_like_cluster() -> None:
     for role in ("dp", "fsdp", "tp"):
         pinned = autopar.plan(model, batch, cluster=cluster, strategy=role).predicted_step_time
         assert auto <= pinned * (1 + 1e-3), (role, auto, pinned)
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS, ids=IDS)
+def test_fused_buffers_pay_their_copies(cluster: Cluster) -> None:
+    """A collective of two or more tensors copies them in and out of its flat buffer on the
+    device (`buckets.copy_time`, as `passes.comm` and the pipeline's gradient sync run it);
+    one tensor alone is not copied."""
+    n, nbytes = cluster.mesh_shape[0], 8 * MIB
+
+    def moved(b: float) -> float:
+        return compute.compute_time(0.0, b, "float32", cluster, op="memory")
+
+    copy = buckets.copy_time
+    assert copy("all_reduce", nbytes, 0, cluster) == pytest.approx(moved(2 * nbytes))
+    assert copy("reduce_scatter", nbytes, 0, cluster) == pytest.approx(moved(2 * nbytes))
+    gather = moved(2 * (nbytes / n + nbytes))  # the shards in, every member out
+    assert copy("all_gather", nbytes, 0, cluster) == pytest.approx(gather)
+    back = copy("all_reduce", nbytes, 0, cluster, back=True)
+    assert back == pytest.approx(moved(4 * nbytes))
+    scatter_back = copy("reduce_scatter", nbytes, 0, cluster, back=True)
+    assert scatter_back == pytest.approx(moved(2 * (nbytes + nbytes / n)))
+    assert copy("all_reduce", 0.0, 0, cluster) == 0.0
+    one = Cluster.preset("cpu", mesh=(1,))
+    assert copy("all_reduce", nbytes, 0, one) == 0.0  # nothing moves between devices
+    for kind in REDUCTIONS:
+        assert copy(kind, 2 * nbytes, 0, cluster) >= copy(kind, nbytes, 0, cluster)
+        alone = [(("k",), kind, 0, nbytes)]
+        assert buckets.fused_copies(alone, cluster) == 0.0
+        pair = [(("k",), kind, 0, nbytes), (("k",), kind, 0, 3 * nbytes)]
+        assert buckets.fused_copies(pair, cluster) == pytest.approx(
+            copy(kind, 4 * nbytes, 0, cluster)
+        )
+        # two keys of one tensor each: nothing fused
+        apart = [(("k",), kind, 0, nbytes), (("j",), kind, 0, nbytes)]
+        assert buckets.fused_copies(apart, cluster) == 0.0
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS, ids=IDS)
+def test_prefetched_gathers_hide_only_what_the_device_hides(cluster: Cluster) -> None:
+    """A step's FSDP gathers, prefetched a layer ahead (`search.step.overlapped_time`): a
+    device that hides nothing (`overlap_efficiency` 0) waits every gather in full, and
+    hiding less never steps faster."""
+    from autopar.plan import DEFAULT_COMM
+    from autopar.search.step import Part, overlapped_time
+
+    def parts() -> list[Part]:
+        out = []
+        for i in range(4):  # two weights per layer, gathered as one fused collective
+            gathers = [(("ag",), Collective.ALL_GATHER, 0, 4 * MIB)] * 2
+            out.append(Part(forward=1e-2 * (i + 1), backward=2e-2 * (i + 1), gathers=gathers))
+        return out
+
+    steps = []
+    for e in (1.0, 0.5, 0.0):
+        steps.append(overlapped_time(parts(), _with_overlap(cluster, e), DEFAULT_COMM))
+    assert all(b >= a * (1 - 1e-12) for a, b in itertools.pairwise(steps)), steps
+    none = _with_overlap(cluster, 0.0)
+    compute_s = sum(p.forward + p.backward for p in parts())
+    gather = buckets.fused_time(parts()[0].gathers, none)
+    copies = buckets.fused_copies(parts()[0].gathers, none)
+    assert steps[-1] == pytest.approx(compute_s + 4 * (gather + copies), rel=1e-9)

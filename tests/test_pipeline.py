@@ -389,7 +389,7 @@ def test_fsdp_gradients_are_reduced_in_every_microbatch() -> None:
     program (`runtime.pipeline._DeferGradSync` leaves only the replicated ones' partial):
     priced in the stage's microbatch, bucketed behind its backward; a replicated one's
     all-reduce runs once per step from the stage's last backward (`GradientSync`)."""
-    from autopar.cost_models.buckets import fused_time
+    from autopar.cost_models.buckets import fused_copies, fused_time
     from autopar.search.inter_op import price_schedule, reduced_per_step, stage_cluster, stage_time
 
     scatter = [(("rs",), "reduce_scatter", 0, 2**22)]
@@ -408,9 +408,10 @@ def test_fsdp_gradients_are_reduced_in_every_microbatch() -> None:
         waited = stage_time(part, sub, None)  # no pass: one per tensor, waited at once
         assert waited == pytest.approx(part.time + (0 if per_step else fused_time(grads, sub)))
         one, four = (price_schedule(costs, "gpipe", 2, m, cluster) for m in (1, 4))
-        # a stage's two layers: one flat buffer; the first rank's last backward ends the
-        # timeline, so its reduction is all exposed
-        assert one.sync == pytest.approx(fused_time(grads * 2, sub) if per_step else 0.0)
+        # a stage's two layers: one flat buffer, copied in and back; the first rank's last
+        # backward ends the timeline, so its reduction is all exposed
+        flat = fused_time(grads * 2, sub) + fused_copies(grads * 2, sub, back=True)
+        assert one.sync == pytest.approx(flat if per_step else 0.0)
         assert four.sync == pytest.approx(one.sync)  # once per step, whatever the microbatches
 
 

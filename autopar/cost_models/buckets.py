@@ -13,8 +13,9 @@ Price of a bucket (``bucket_times``): one collective on the bucket's total bytes
 
 so the bandwidth term is per byte as before and the latency terms (ring steps x alpha plus
 one launch/synchronization alpha, the term `search.costs` adds per collective) are paid once
-per bucket, never per tensor. Hence a bucketed reduction never costs more than one
-collective per tensor (``bucketed_time <= sum of per-tensor times``).
+per bucket, never per tensor. Hence a bucketed reduction's collectives never cost more than
+one collective per tensor (``bucketed_time <= sum of per-tensor times``); its copies in and
+out of the flat buffer (below) are the price of that.
 
 ILP: a linear program cannot count buckets; `search.costs` prices each gradient reduction
 as its own collective, waited at once, an upper bound on the bucketed, overlapped price
@@ -26,6 +27,15 @@ launch. A layer's FSDP all-gathers (one per layer and phase), and a pipeline ran
 a rank reduces its gradients once per step, after its
 last backward, one flat buffer per key: ``collective_time(kind, sum B) + alpha`` per key,
 waited in full.
+
+Copies (``copy_time``, ``fused_copies``): a collective of two or more tensors runs on a flat
+buffer, and the bytes go in and out of it on the device, at its memory-bound rate, beside
+the compute (not under the collective): a reduction's inputs are concatenated (``B`` read
+and written; its results are views of the buffer, but a pipeline's `GradientSync` copies
+the sums back: ``B`` again), an all-gather's local shards are copied in (``B / n``) and
+each member copied out of the ``(ranks, total)`` result (``B``). One tensor alone is not
+copied. On a GPU this is ~1/1000 of the collective; on a CPU, whose memory-bound ops run at
+a few GB/s per process, it was most of what FSDP's step measured beyond dp's.
 
 Exposure (``serial_exposure``): one serial communication channel. Bucket ``k`` starts at
 ``max(ready_k, done_{k-1})`` (``ready_k``: its last gradient's ready time) and takes ``t_k``;
@@ -63,6 +73,7 @@ from collections.abc import Hashable, Sequence
 
 from autopar.cluster import Cluster
 from autopar.cost_models.comm import Collective, collective_time, ring_factors, volume_kind
+from autopar.cost_models.compute import compute_time
 from autopar.plan import DEFAULT_COMM, CommPlan
 
 MIB = 1024 * 1024
@@ -75,6 +86,8 @@ __all__ = [
     "bucket_plan",
     "bucket_times",
     "collective_times",
+    "copy_time",
+    "fused_copies",
     "fused_time",
     "latency_terms",
     "overlapped_step",
@@ -134,6 +147,34 @@ def bucket_times(
     return out
 
 
+def copy_time(
+    kind: Collective | str, nbytes: float, axis: int, cluster: Cluster, back: bool = False
+) -> float:
+    """Seconds of copying one fused buffer of ``nbytes`` (unsharded over ``axis``) in and out
+    (module doc); ``back``: a reduction's result copied back into its members too (a
+    pipeline stage's `GradientSync` and `GradientScatter`)."""
+    n = cluster.axis_size(axis)
+    if n == 1 or nbytes <= 0:
+        return 0.0
+    kind = Collective(kind)
+    moved = nbytes / n + nbytes if kind is Collective.ALL_GATHER else nbytes
+    if back and kind is not Collective.ALL_GATHER:  # the result: whole, or a 1/n shard
+        moved += nbytes / n if kind is Collective.REDUCE_SCATTER else nbytes
+    return compute_time(0.0, 2.0 * moved, "float32", cluster, op="memory")
+
+
+def fused_copies(grads: Sequence[Grad], cluster: Cluster, back: bool = False) -> float:
+    """Seconds of the copies of `fused_time`'s buffers: one per key of two or more tensors."""
+    total: dict[tuple, list[float]] = {}
+    for key, kind, axis, nbytes in grads:
+        total.setdefault((key, Collective(kind), axis), []).append(nbytes)
+    return sum(
+        copy_time(kind, sum(sizes), axis, cluster, back)
+        for (_, kind, axis), sizes in total.items()
+        if len(sizes) > 1
+    )
+
+
 def collective_times(grads: Sequence[Grad], cluster: Cluster, fused: bool = True) -> float:
     """Seconds of `grads` waited at once: one collective per key (`fused_time`), or with
     `fused=False` one per tensor (bandwidth and latency terms each)."""
@@ -187,13 +228,16 @@ def overlapped_step(
     cluster: Cluster,
     exposed_comm: float = 0.0,
     comm: CommPlan | None = DEFAULT_COMM,
+    hide: Sequence[float] | None = None,
 ) -> float:
     """Step seconds of layers (forward order) with the runtime's overlap (module doc).
 
     `forward`/`backward`: compute per layer; `gathers`/`regathers`: its weight all-gather in
     forward / backward (0: none; fused or not as `comm.bucket` says, `collective_times`);
     `grads`: its gradient reductions; `exposed_comm`: the collectives waited at once;
-    `comm`: the program's options (default `plan.DEFAULT_COMM`; None: no pass, nothing overlaps)."""
+    `comm`: the program's options (default `plan.DEFAULT_COMM`; None: no pass, nothing overlaps);
+    `hide`: per layer, the forward compute the next layer's prefetched gather can hide under
+    (default its whole forward; `search.step`: what follows its last activation collective)."""
     comm = CommPlan(bucket=False, overlap=False) if comm is None else comm
     order = list(reversed(range(len(forward))))  # backward order
     bwd = [backward[i] for i in order]
@@ -207,18 +251,21 @@ def overlapped_step(
             by_key.setdefault((key, Collective(kind), axis), []).append((ready_at[i], nbytes))
     # without bucketing every tensor closes its own bucket (caps below any size)
     caps = (comm.bucket_bytes, comm.first_bucket_bytes) if comm.bucket else (0.0, 0.0)
-    ready, durations = [], []
+    ready, durations, copies = [], [], 0.0
     for (_, kind, axis), items in by_key.items():
         sizes = [b for _, b in items]
         times = bucket_times(kind, sizes, axis, cluster, *caps)
         for bucket, t in zip(bucket_plan(sizes, *caps), times, strict=True):
             ready.append(items[bucket[-1]][0])
             durations.append(t)
+            if len(bucket) > 1:  # concatenated into its flat buffer (module doc)
+                copies += copy_time(kind, sum(sizes[i] for i in bucket), axis, cluster)
+    clock += copies
     if not comm.overlap:
         waited = sum(gathers) + sum(regathers) + sum(durations)
         return sum(forward) + clock + waited + exposed_comm
     grad_wait = serial_exposure(ready, durations, clock)
-    fwd_wait = prefetch_exposure(list(gathers), list(forward))
+    fwd_wait = prefetch_exposure(list(gathers), list(forward if hide is None else hide))
     overlap = cluster.device.overlap_efficiency
     if overlap < 1:  # what the schedule hides, the device hides only that share of
         grad_wait += (1 - overlap) * (sum(durations) - grad_wait)

@@ -47,7 +47,7 @@ from autopar.capture import Captured
 from autopar.capture.analysis import batch_dependent, layer_order
 from autopar.capture.export import layer_of
 from autopar.cluster import Cluster
-from autopar.cost_models.buckets import Grad, collective_times, fused_time
+from autopar.cost_models.buckets import Grad, collective_times, fused_copies, fused_time
 from autopar.cost_models.comm import Collective, send_recv_time
 from autopar.plan import (
     DEFAULT_COMM,
@@ -350,7 +350,8 @@ def _simulated(lc, schedule, pp, microbatches, cluster, cuts, stages, times, ran
         syncs = [fused_time(grads[s], sub) for s in own]
         overlap = sub.device.overlap_efficiency
         done = synced_end(tl.ends[r], [tl.grads_done[s] for s in own], syncs, overlap)
-        finish.append(done + sum(p.update for p in mine))  # then its optimizer step
+        copies = sum(fused_copies(grads[s], sub, back=True) for s in own)  # flat buffers
+        finish.append(done + copies + sum(p.update for p in mine))  # then its optimizer step
     step = max(finish)
     boundary = "scattered" if scattered else "placed"
     sync = step - tl.step_time
@@ -363,8 +364,9 @@ def _gathered(grads: list[list[Grad]], ranks: list[int], ratio: float, sub) -> l
     on its channel at the step's start (right after the previous optimizer step)."""
     ready, channel = [0.0] * len(grads), dict.fromkeys(ranks, 0.0)
     for s, gs in enumerate(grads):
-        channel[ranks[s]] += fused_time(zero_gathers(gs, ratio), sub)
-        ready[s] = channel[ranks[s]]
+        gathers = zero_gathers(gs, ratio)
+        channel[ranks[s]] += fused_time(gathers, sub)
+        ready[s] = channel[ranks[s]] + fused_copies(gathers, sub)  # copied out, then read
     return ready
 
 

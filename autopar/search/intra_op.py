@@ -93,6 +93,7 @@ COMM_SCALES: tuple[tuple[float, float], ...] = ((1.0, 1.0), (0.1, 1.0), (0.1, 0.
 # reductions mostly hidden and the gathers not, DP's plan, which the bound can rank below
 # plans whose activation collectives never overlap
 DP_SCALES = (1.0, 0.1)
+SLOW_LATENCY = 1e-4  # seconds per ring step: NCCL's are ~5-20 us, gloo's on a CPU ~1 ms
 
 
 def price(
@@ -314,9 +315,13 @@ def _prepared_key(captured, cluster, mesh, options, weights, memory_limit, comm)
 
 
 def comm_scales(cluster: Cluster) -> tuple[tuple[float, float], ...]:
-    """`COMM_SCALES`, and `DP_SCALES` where some axis gathers slower than it all-reduces."""
+    """`COMM_SCALES`, and `DP_SCALES` where some axis gathers slower than it all-reduces or
+    pays `SLOW_LATENCY` or more per step (gloo: the bound prices each small gradient's
+    all-reduce with its own ring latency, ~5 ms on 4 CPU processes, where DDP's buckets pay
+    it once per 25 MiB)."""
     dear = any(
         link.kind_bandwidth("all_gather") < link.kind_bandwidth("all_reduce")
+        or link.latency >= SLOW_LATENCY
         for link in cluster.links
     )
     return (*COMM_SCALES, DP_SCALES) if dear else COMM_SCALES

@@ -16,7 +16,8 @@ graph is cut into parts in execution order (what precedes the first layer, each 
     regather  = the same again in backward when the layer regathers (reshard / full recompute)
     grads     = its weights' gradient reductions (`CostContext.grad_reductions`)
     exposed   = activation reshards, forward and backward (TP collectives, loss reductions):
-                waited at once
+                waited at once; and a fused gather's copies in and out of its flat buffer
+                (`buckets.fused_copies`)
 
 go to `cost_models.buckets.overlapped_step` (gradient buckets on one serial channel behind
 the backward, gathers prefetched one layer ahead; `comm=None`, no pass: every collective
@@ -25,7 +26,9 @@ update of every parameter (`IntraOpResult.update_time`, in the objective too; a 
 rank's after its last gradient sync, `inter_op.price_schedule`). A template's layer standing
 for `w` layers (`CostWeights.layer`) appears round(w) times, its times scaled by
 w / round(w). Without any collective the prediction equals the objective (same node
-prices); with collectives it never exceeds it (tests/test_cost_model_invariants.py).
+prices); with collectives it does not exceed it but by the buckets' copies, which the ILP
+(one collective per tensor, no buffer) does not price and the latency terms bucketing
+saves usually outweigh (tests/test_cost_model_invariants.py).
 
 Issue order: the pass keeps the traced order of the collectives among themselves (each is
 issued after the one traced before it, `passes.comm`). A layer's forward gather is traced
@@ -68,9 +71,9 @@ from autopar.cluster import Cluster
 from autopar.cost_models.buckets import (
     Grad,
     collective_times,
+    fused_copies,
     fused_time,
     overlapped_step,
-    prefetch_exposure,
 )
 from autopar.cost_models.comm import Collective
 from autopar.plan import DEFAULT_COMM, CommPlan
@@ -114,7 +117,8 @@ def predicted_step_time(
             (k, Collective.REDUCE_SCATTER if _is_all_reduce(kind) else kind, a, b)
             for k, kind, a, b in p.grads
         ]
-    return overlapped_time(parts, cluster, comm) + update + fused_time(gathers, cluster)
+    after = fused_time(gathers, cluster) + fused_copies(gathers, cluster)
+    return overlapped_time(parts, cluster, comm) + update + after
 
 
 def zero_gather_ratio(captured: Captured, result: IntraOpResult) -> float:
@@ -172,6 +176,9 @@ def overlapped_time(parts: list[Part], cluster: Cluster, comm: CommPlan | None) 
         fused = comm is not None and comm.bucket
         gather = collective_times(_scaled(p.gathers, k), cluster, fused)
         regather = collective_times(_scaled(p.regathers, k), cluster, fused)
+        if fused:  # a layer's fused gathers copy in and out of their flat buffers, waited
+            moved = (fused_copies(_scaled(g, k), cluster) for g in (p.gathers, p.regathers))
+            exposed += copies * sum(moved)
         for _ in range(copies):
             fwd.append(p.forward * k)
             hide.append(p.forward * k if p.tail is None else p.tail * k)
@@ -180,10 +187,8 @@ def overlapped_time(parts: list[Part], cluster: Cluster, comm: CommPlan | None) 
             reg.append(regather)
             reductions.append(scaled)
         exposed += p.exposed * p.weight
-    if comm is not None and comm.overlap:  # the forward's gathers, prefetched in issue order
-        exposed += prefetch_exposure(gat, hide)
-        gat = [0.0] * len(gat)
-    return overlapped_step(fwd, bwd, gat, reg, reductions, cluster, exposed, comm)
+    # the forward's gathers, prefetched in issue order under `hide`
+    return overlapped_step(fwd, bwd, gat, reg, reductions, cluster, exposed, comm, hide)
 
 
 def _scaled(grads: list[Grad], k: float) -> list[Grad]:
