@@ -37,9 +37,11 @@ next; timed as loops they agree within ~15%):
   share of the shorter one the other hides (``overlap_efficiency``; 1 where the file has no
   such measurement);
 * every collective (all-reduce, all-gather, reduce-scatter, all-to-all) on every mesh axis
-  over message sizes, and point-to-point between axis neighbours. Per axis, the alpha-beta
-  link is the least-squares fit of ``t = steps * alpha + volume * B / beta`` with the cost
-  model's own ring/pairwise factors (``autopar.cost_models.comm``), ``efficiency = 1``.
+  over message sizes, and point-to-point between axis neighbours. Per axis and kind, the
+  least-squares fit of ``t = steps * alpha_k + volume * B / beta_k`` with the cost model's
+  own ring/pairwise factors (``autopar.cost_models.comm``); the link takes the fastest
+  kind's alpha and beta, the others as factors (``kind_latency``, ``kind_efficiency``),
+  ``efficiency = 1``.
 
 The fabric (what re-meshing uses) is the link of the largest axis on every axis: the
 processes are local, so every axis is inside one node.
@@ -172,18 +174,20 @@ def overlap_efficiency(compute: float, collective: float, both: float) -> float:
 
 
 def _fit_link(rows: list[list[Any]], n: int, backend: str) -> Link:
-    """The link whose prices of the measured calls are closest in ratio: least squares of
-    log(priced / measured) over latency ``alpha``, ``x = 1 / beta`` and each kind's
-    bandwidth fraction (`Link.kind_efficiency`), each collective priced as the cost model
-    prices one call of it on ``backend`` (its algorithms' steps plus one launch,
-    `comm.algorithm_factors`; the cheapest algorithm), a point-to-point as
-    `comm.send_recv_time`. Ratios, so that small messages weigh as much as large ones and
-    a latency-bound backend (gloo on a CPU: ~1 ms a step) is not fit as a bandwidth-bound
-    one. (alpha, x) and the fractions are fit in turn, twice, on grids (`_grid_min`); the
-    fastest kind's fraction is 1 (it defines ``beta``). A kind the cost model prices as
-    another on ``backend`` (gloo: the all-to-all as DTensor runs it, an all-gather) is left
-    out: its own call is not what runs."""
-    terms, kinds = [], []  # per row: (latency coefficient, byte coefficient) per algorithm
+    """The link whose prices of the measured calls are closest in ratio: per kind, least
+    squares of log(priced / measured) over its latency ``alpha_k`` and ``x_k = 1 / beta_k``
+    (a 2-D grid, `_grid_min`), each collective priced as the cost model prices one call of
+    it on ``backend`` (its algorithms' steps plus one launch, `comm.algorithm_factors`; the
+    cheapest algorithm), a point-to-point as `comm.send_recv_time`. Ratios, so that small
+    messages weigh as much as large ones and a latency-bound backend (gloo on a CPU: ~1 ms
+    a step) is not fit as a bandwidth-bound one. The link's latency is the fastest kind's
+    step and its bandwidth the fastest kind's; the others are fractions of it
+    (`Link.kind_efficiency`) and multiples of the step (`Link.kind_latency`): on 4 gloo
+    processes a send's step fit ~0.3 ms and a reduce-scatter's ~1.2 ms, which one shared
+    latency priced 2.5x too slow and 1.7x too fast. A kind the cost model prices as another
+    on ``backend`` (gloo: the all-to-all as DTensor runs it, an all-gather) is left out:
+    its own call is not what runs."""
+    by_kind: dict[str, list[tuple[list[tuple[float, float]], float]]] = {}
     for kind, nbytes, seconds in rows:
         if seconds <= 0 or (kind != "p2p" and n == 1):
             continue
@@ -195,49 +199,38 @@ def _fit_link(rows: list[list[Any]], n: int, backend: str) -> Link:
             algos = [
                 (s + 1.0, v * nbytes) for s, v in algorithm_factors(Collective(kind), n, backend)
             ]
-        terms.append((algos, seconds))
-        kinds.append(kind)
-    if not terms:  # a size-1 axis moves nothing: any link prices it at 0
+        by_kind.setdefault(kind, []).append((algos, seconds))
+    if not by_kind:  # a size-1 axis moves nothing: any link prices it at 0
         return Link(1e12, 0.0)
-    width = max(len(a) for a, _ in terms)
-    pad = [a + [a[0]] * (width - len(a)) for a, _ in terms]
-    lat = torch.tensor([[c for c, _ in a] for a in pad], dtype=torch.float64)
-    vol = torch.tensor([[b for _, b in a] for a in pad], dtype=torch.float64)
-    log_t = torch.tensor([t for _, t in terms], dtype=torch.float64).log()
-    names = sorted(set(kinds))
-    of = torch.tensor([names.index(k) for k in kinds])
-    slow = torch.zeros(len(names), dtype=torch.float64)  # log10 of 1 / fraction, per kind
-
-    def loss(rows, log_a, log_x, log_slow):  # grid tensors -> summed squared log ratios
-        a, x = (10.0 ** t[..., None, None] for t in (log_a, log_x))
-        priced = (lat[rows] * a + vol[rows] * x * 10.0 ** log_slow[..., None]).amin(dim=-1)
-        return ((priced.log() - log_t[rows]) ** 2).sum(dim=-1)
-
-    log_a, log_x = -8.0, -14.0  # alpha from 10 ns, beta up to 100 TB/s
-    every = torch.ones(len(terms), dtype=torch.bool)
-    for _ in range(2):
-        rows_slow = slow[of]
-        log_a, log_x = _grid_min(lambda a, x, s=rows_slow: loss(every, a, x, s), (log_a, log_x))
-        fixed = torch.tensor(log_a), torch.tensor(log_x)
-        for k in range(len(names)):
-            mine = of == k
-            count = int(mine.sum())
-
-            def kind_loss(g, m=mine, c=count, fixed=fixed):
-                return loss(m, *fixed, g[..., None].expand(*g.shape, c))
-
-            slow[k] = _grid_min(kind_loss, (float(slow[k]) - 3.0,), decades=6.0)[0]
-        fastest = float(slow.min())
-        slow -= fastest
-        log_x += fastest
-    fraction = {k: 10.0 ** -float(slow[i]) for i, k in enumerate(names)}
+    fits = {k: _fit_kind(terms) for k, terms in sorted(by_kind.items())}  # (log a, log x)
+    log_a = min(a for a, _ in fits.values())
+    log_x = min(x for _, x in fits.values())
+    fraction = {k: 10.0 ** (log_x - x) for k, (_, x) in fits.items()}
     if {"all_reduce", "reduce_scatter", "all_gather"} <= fraction.keys():
         # never priced above a reduce-scatter and an all-gather of its bytes (what it could
         # run instead): its fraction at least their harmonic mean
         pair = 2.0 / (1.0 / fraction["reduce_scatter"] + 1.0 / fraction["all_gather"])
         fraction["all_reduce"] = max(fraction["all_reduce"], pair)
     slower = tuple((k, f) for k, f in fraction.items() if f < 1.0 - 1e-4)
-    return Link(10.0**-log_x, 10.0**log_a, kind_efficiency=slower)
+    longer = tuple((k, 10.0 ** (a - log_a)) for k, (a, _) in fits.items() if a > log_a + 1e-4)
+    return Link(10.0**-log_x, 10.0**log_a, kind_efficiency=slower, kind_latency=longer)
+
+
+def _fit_kind(terms: list[tuple[list[tuple[float, float]], float]]) -> tuple[float, float]:
+    """(log10 alpha, log10 x) of one kind's calls: per call its algorithms' (latency
+    coefficient, byte coefficient), the cheapest priced, and the seconds measured."""
+    width = max(len(a) for a, _ in terms)
+    pad = [a + [a[0]] * (width - len(a)) for a, _ in terms]
+    lat = torch.tensor([[c for c, _ in a] for a in pad], dtype=torch.float64)
+    vol = torch.tensor([[b for _, b in a] for a in pad], dtype=torch.float64)
+    log_t = torch.tensor([t for _, t in terms], dtype=torch.float64).log()
+
+    def loss(log_a, log_x):  # grid tensors -> summed squared log ratios
+        a, x = (10.0 ** t[..., None, None] for t in (log_a, log_x))
+        priced = (lat * a + vol * x).amin(dim=-1)
+        return ((priced.log() - log_t) ** 2).sum(dim=-1)
+
+    return _grid_min(loss, (-8.0, -14.0))  # alpha from 10 ns, beta up to 100 TB/s
 
 
 def _grid_min(loss: Callable[..., torch.Tensor], lows: tuple[float, ...], decades: float = 8.0):

@@ -150,12 +150,16 @@ class Link:
     collective's bus bandwidth reaches on large messages (nccl-tests' busbw / line rate).
     ``kind_efficiency``: (collective kind or "p2p", fraction) for the kinds whose bytes move
     slower than that on this backend (`autopar calibrate` fits them: gloo's all-gather on a
-    CPU runs at a fraction of its all-reduce's bus bandwidth); the others at 1."""
+    CPU runs at a fraction of its all-reduce's bus bandwidth); the others at 1.
+    ``kind_latency``: (kind or "p2p", factor) for the kinds whose steps take longer than
+    ``latency`` (gloo on 4 CPU processes: a send ~0.3 ms, a reduce-scatter step ~1.2);
+    the others at 1."""
 
     bandwidth: float
     latency: float
     efficiency: float = 1.0
     kind_efficiency: tuple[tuple[str, float], ...] = ()
+    kind_latency: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bandwidth", _positive(self.bandwidth, "Link.bandwidth"))
@@ -169,6 +173,15 @@ class Link:
             for k, v in sorted(dict(self.kind_efficiency).items())
         )
         object.__setattr__(self, "kind_efficiency", kinds)
+        factors = []
+        for k, v in sorted(dict(self.kind_latency).items()):
+            v = float(v)
+            if not (v >= 1.0 and math.isfinite(v)):
+                raise ValueError(
+                    f"Link.kind_latency[{k!r}] must be a finite number >= 1, got {v!r}"
+                )
+            factors.append((str(k), v))
+        object.__setattr__(self, "kind_latency", tuple(factors))
 
     @property
     def bus_bandwidth(self) -> float:
@@ -182,6 +195,10 @@ class Link:
                 return self.bus_bandwidth * fraction
         return self.bus_bandwidth
 
+    def latency_of(self, kind: str) -> float:
+        """Seconds per step of collective ``kind`` (or "p2p")."""
+        return self.latency * dict(self.kind_latency).get(kind, 1.0)
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "bandwidth": self.bandwidth,
@@ -190,15 +207,19 @@ class Link:
         }
         if self.kind_efficiency:
             out["kind_efficiency"] = dict(self.kind_efficiency)
+        if self.kind_latency:
+            out["kind_latency"] = dict(self.kind_latency)
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Link:
         kinds = tuple(dict(data.get("kind_efficiency", {})).items())
-        return cls(data["bandwidth"], data["latency"], data.get("efficiency", 1.0), kinds)
+        lat = tuple(dict(data.get("kind_latency", {})).items())
+        return cls(data["bandwidth"], data["latency"], data.get("efficiency", 1.0), kinds, lat)
 
     def __str__(self) -> str:
         kinds = "".join(f" {k} x{v:.2g}" for k, v in self.kind_efficiency)
+        kinds += "".join(f" {k} latency x{v:.2g}" for k, v in self.kind_latency)
         return f"{self.bus_bandwidth / 1e9:.4g} GB/s {self.latency * 1e6:.3g} us{kinds}"
 
 
@@ -222,7 +243,8 @@ class Fabric:
             latency = max(self.inter_latency, self.intra.latency)
             if nic < self.intra.bandwidth:
                 kinds = self.intra.kind_efficiency
-                links.append(Link(nic, latency, self.inter_efficiency, kinds))
+                lat = self.intra.kind_latency
+                links.append(Link(nic, latency, self.inter_efficiency, kinds, lat))
             else:
                 links.append(replace(self.intra, latency=latency))
         return tuple(links)

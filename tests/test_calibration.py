@@ -17,6 +17,7 @@ from autopar.cli import app
 from autopar.cli.args import make_cluster
 from autopar.cluster import Cluster, Link
 from autopar.cost_models.comm import collective_time, send_recv_time
+from autopar.cost_models.reshard import launch as launch_time
 from autopar.devices import choose_backend
 
 
@@ -27,22 +28,45 @@ def _synthetic(link: Link, n: int) -> list[list]:
     for nbytes in (2**10, 2**16, 2**20, 2**24):
         for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
             # one call, as a plan prices it: the collective and one launch
-            rows.append([kind, nbytes, collective_time(kind, nbytes, 0, cluster) + link.latency])
+            launch = launch_time(kind, 0, cluster)
+            rows.append([kind, nbytes, collective_time(kind, nbytes, 0, cluster) + launch])
         rows.append(["p2p", nbytes, send_recv_time(nbytes, link)])
     return rows
 
 
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("kinds", [(), (("all_gather", 0.25), ("reduce_scatter", 0.1))])
-def test_fit_recovers_the_link(n: int, kinds: tuple) -> None:
-    truth = Link(3e9, 40e-6, kind_efficiency=kinds)
+@pytest.mark.parametrize("steps", [(), (("all_reduce", 2.0), ("reduce_scatter", 4.0))])
+def test_fit_recovers_the_link(n: int, kinds: tuple, steps: tuple) -> None:
+    """Each kind's bandwidth fraction and latency factor, from calls priced by a link."""
+    truth = Link(3e9, 40e-6, kind_efficiency=kinds, kind_latency=steps)
     fitted = _fit_link(_synthetic(truth, n), n, "gloo")
     assert fitted.bandwidth == pytest.approx(truth.bandwidth, rel=1e-3)
     assert fitted.latency == pytest.approx(truth.latency, rel=1e-3)
-    assert [k for k, _ in fitted.kind_efficiency] == [k for k, _ in kinds]
-    for (_, got), (_, want) in zip(fitted.kind_efficiency, kinds, strict=True):
-        assert got == pytest.approx(want, rel=1e-3)
+    for got, want in ((fitted.kind_efficiency, kinds), (fitted.kind_latency, steps)):
+        assert [k for k, _ in got] == [k for k, _ in want]
+        for (_, g), (_, w) in zip(got, want, strict=True):
+            assert g == pytest.approx(w, rel=1e-3)
     assert Link.from_dict(fitted.to_dict()) == fitted
+
+
+def test_a_kind_latency_prices_its_steps_only() -> None:
+    """`Link.kind_latency` multiplies one kind's steps and launch, no other kind's; a
+    factor below 1 (the link's latency is the fastest kind's) is refused."""
+    plain = Link(3e9, 1e-3)
+    slow = Link(3e9, 1e-3, kind_latency=(("reduce_scatter", 3.0),))
+    for link in (plain, slow):
+        assert link.latency_of("all_gather") == 1e-3
+    assert slow.latency_of("reduce_scatter") == pytest.approx(3e-3)
+    base = Cluster.preset("cpu", mesh=(4,))
+    a, b = (Cluster(base.device, (4,), ("dp",), (x,), "gloo", 4) for x in (plain, slow))
+    assert collective_time("all_gather", 1e3, 0, a) == collective_time("all_gather", 1e3, 0, b)
+    extra = collective_time("reduce_scatter", 1e3, 0, b) - collective_time(
+        "reduce_scatter", 1e3, 0, a
+    )
+    assert extra == pytest.approx(3 * 2e-3)  # 3 ring steps, each 2 ms longer
+    with pytest.raises(ValueError, match="kind_latency"):
+        Link(3e9, 1e-3, kind_latency=(("p2p", 0.5),))
 
 
 def test_cluster_from_measurements_takes_the_largest_sizes_rates() -> None:

@@ -74,6 +74,7 @@ from collections.abc import Hashable, Sequence
 from autopar.cluster import Cluster
 from autopar.cost_models.comm import Collective, collective_time, ring_factors, volume_kind
 from autopar.cost_models.compute import compute_time
+from autopar.cost_models.reshard import launch
 from autopar.plan import DEFAULT_COMM, CommPlan
 
 MIB = 1024 * 1024
@@ -126,8 +127,9 @@ def latency_terms(kind: Collective | str, axis: int, cluster: Cluster) -> float:
     n = cluster.axis_size(axis)
     if n == 1 or kind is Collective.LOCAL:
         return 0.0
-    steps, _ = ring_factors(volume_kind(kind, cluster.backend), n)
-    return (steps + 1.0) * cluster.links[axis].latency
+    moved = volume_kind(kind, cluster.backend)
+    steps, _ = ring_factors(moved, n)
+    return (steps + 1.0) * cluster.links[axis].latency_of(moved.value)
 
 
 def bucket_times(
@@ -143,7 +145,7 @@ def bucket_times(
     for bucket in bucket_plan(sizes, bucket_bytes, first_bucket_bytes):
         total = sum(sizes[i] for i in bucket)
         t = collective_time(kind, total, axis, cluster)
-        out.append(t + cluster.links[axis].latency if t > 0 else 0.0)
+        out.append(t + launch(kind, axis, cluster) if t > 0 else 0.0)
     return out
 
 
@@ -192,7 +194,7 @@ def fused_time(grads: Sequence[Grad], cluster: Cluster) -> float:
         k = (key, Collective(kind), axis)
         total[k] = total.get(k, 0.0) + nbytes
     return sum(
-        collective_time(kind, b, axis, cluster) + cluster.links[axis].latency
+        collective_time(kind, b, axis, cluster) + launch(kind, axis, cluster)
         for (_, kind, axis), b in total.items()
         if collective_time(kind, b, axis, cluster) > 0
     )

@@ -21,12 +21,14 @@ On a process group whose tensors live on the CPU (gloo), DTensor has no all-to-a
 group does not support alltoall yet"), so there ``all_to_all`` is priced as the all-gather
 (``volume_kind``: its factors and its bandwidth).
 
-``n == 1`` or ``B == 0`` cost 0. The volume factors are NCCL's "bus bandwidth" conventions,
+``alpha`` is the link's latency times the kind's factor (``Link.kind_latency``: a
+calibrated gloo's reduce-scatter steps take longer than its all-gather's). ``n == 1`` or
+``B == 0`` cost 0. The volume factors are NCCL's "bus bandwidth" conventions,
 so ``beta`` is what nccl-tests report as busbw: the link's line rate times the efficiency
 the presets take from published nccl-tests runs (or ``autopar calibrate`` measures). As
 NCCL's tuner does, an all-reduce takes the cheaper algorithm, so it never costs more than a
 reduce-scatter plus an all-gather of the same bytes. ``alpha`` is the per-step (per
-message) latency. Point-to-point: ``send_recv_time = alpha + B / beta``.
+message) latency. Point-to-point: ``send_recv_time = alpha + B / beta`` (the "p2p" latency and bandwidth).
 
 Overlap: what the runtime overlaps (bucketed gradient reductions, prefetched FSDP
 gathers: `autopar.passes.comm`) is priced from that schedule in
@@ -128,9 +130,10 @@ def collective_time(
     if n == 1 or nbytes <= 0 or kind is Collective.LOCAL:
         return 0.0
     link = cluster.link(axis)
-    beta = link.kind_bandwidth(volume_kind(kind, cluster.backend).value)
+    moved = volume_kind(kind, cluster.backend).value
+    beta, alpha = link.kind_bandwidth(moved), link.latency_of(moved)
     return min(
-        steps * link.latency + volume * float(nbytes) / beta
+        steps * alpha + volume * float(nbytes) / beta
         for steps, volume in algorithm_factors(kind, n, cluster.backend)
     )
 
@@ -149,7 +152,7 @@ def send_recv_time(nbytes: float, link: Link) -> float:
     """Seconds for one point-to-point transfer of ``nbytes`` over ``link`` (0 bytes: free)."""
     if nbytes <= 0:
         return 0.0
-    return link.latency + float(nbytes) / link.kind_bandwidth("p2p")
+    return link.latency_of("p2p") + float(nbytes) / link.kind_bandwidth("p2p")
 
 
 def transition_kind(cur: Any, tgt: Any) -> Collective | None:

@@ -37,7 +37,15 @@ def reshard_seconds(cluster: Cluster, src, dst, shape, itemsize, into_partial=Fa
     if parts is None:
         return math.inf  # a transition DTensor cannot perform (a re-split strided shard)
     seconds = sum(comm.collective_time(kind, nbytes, axis, cluster) for axis, kind, nbytes in parts)
-    return seconds + sum(cluster.links[axis].latency for axis, _, _ in parts)  # launches
+    launches = sum(launch(kind, axis, cluster) for axis, kind, _ in parts)
+    return seconds + launches
+
+
+def launch(kind, axis: int, cluster: Cluster) -> float:
+    """Seconds of one collective's launch and synchronization: one step of its kind (as
+    priced, `comm.volume_kind`)."""
+    moved = comm.volume_kind(comm.Collective(kind), cluster.backend).value
+    return cluster.links[axis].latency_of(moved)
 
 
 @lru_cache(maxsize=200_000)
