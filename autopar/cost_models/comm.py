@@ -28,7 +28,8 @@ so ``beta`` is what nccl-tests report as busbw: the link's line rate times the e
 the presets take from published nccl-tests runs (or ``autopar calibrate`` measures). As
 NCCL's tuner does, an all-reduce takes the cheaper algorithm, so it never costs more than a
 reduce-scatter plus an all-gather of the same bytes. ``alpha`` is the per-step (per
-message) latency. Point-to-point: ``send_recv_time = alpha + B / beta`` (the "p2p" latency and bandwidth).
+message) latency. Point-to-point: ``send_recv_time = alpha + B / beta`` (the "p2p" latency
+and bandwidth).
 
 Overlap: what the runtime overlaps (bucketed gradient reductions, prefetched FSDP
 gathers: `autopar.passes.comm`) is priced from that schedule in
