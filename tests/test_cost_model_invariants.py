@@ -331,19 +331,30 @@ def test_optimizer_update_grows_with_what_a_device_updates(cluster: Cluster) -> 
         assert update_time(shape, torch.bfloat16, rep, mesh, cluster, 2, False, True) >= bf16
 
 
-def test_auto_never_loses_to_a_pinned_role_on_a_gloo_like_cluster() -> None:
-    """Where gathers and reductions cost very differently (gloo as `autopar calibrate` fits
-    it, a slow optimizer update), the ILP's bound (every collective waited) prefers plans
-    whose collectives cannot overlap: the candidate whose gradient reductions lean on the
-    overlap but whose gathers do not (`intra_op.DP_SCALES`) is DP's, which the overlapped
-    step ranks first."""
+GLOO_LINKS = [  # as `autopar calibrate` fit gloo on 4 CPU processes
+    Link(3.6e9, 1e-3, kind_efficiency=(("all_gather", 0.1), ("all_reduce", 0.58),
+                                       ("reduce_scatter", 0.06))),
+    # per kind: an all-gather's bytes faster than an all-reduce's, every step ~1 ms
+    Link(2.4e9, 2.7e-4, kind_efficiency=(("all_gather", 0.69), ("all_reduce", 0.62),
+                                         ("reduce_scatter", 0.25)),
+         kind_latency=(("all_gather", 2.9), ("all_reduce", 3.5), ("reduce_scatter", 4.3))),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("link", GLOO_LINKS, ids=["gathers-dearer", "latency-bound"])
+def test_auto_never_loses_to_a_pinned_role_on_a_gloo_like_cluster(link: Link) -> None:
+    """Where gathers and reductions cost very differently, or each collective's latency is
+    ~1 ms (gloo as `autopar calibrate` fits it, a slow optimizer update), the ILP's bound
+    (every collective waited, each small gradient's all-reduce with its own latency)
+    prefers plans whose collectives cannot overlap or bucket: the candidate whose gradient
+    reductions lean on the overlap but whose gathers do not (`intra_op.DP_SCALES`) is DP's,
+    which the overlapped step ranks first."""
     from autopar.cli.sources import load_model
 
-    kinds = (("all_gather", 0.1), ("all_reduce", 0.58), ("reduce_scatter", 0.06))
     cpu = Cluster.preset("cpu", mesh=(4,), axis_names=("dp",))
     flops = {"float32": 54e9, "bfloat16": 25e9, "float16": 25e9}
     device = replace(cpu.device, peak_flops=flops, memory_bandwidth=2.6e9)
-    cluster = replace(cpu, device=device, links=(Link(3.6e9, 1e-3, kind_efficiency=kinds),))
+    cluster = replace(cpu, device=device, links=(link,))
     model, batch = load_model("gpt", "small", 16, seed=0)[:2]
     auto = autopar.plan(model, batch, cluster=cluster).predicted_step_time
     for role in ("dp", "fsdp", "tp"):
