@@ -23,57 +23,50 @@ waits on it. Every plan runs the pass, pipelined or not,
 even or uneven:
 
 1. Bucketing. Backward all-reduces and reduce-scatters read by the output only (gradient
-   reductions) with the same (op, reduce op, group, dtype) are fused DDP-style: in traced
-   order (the backward's, the order their inputs become ready), a bucket takes collectives
-   until its bytes reach the cap (`first_bucket_bytes` for the first bucket of a key,
-   `bucket_bytes` after: DDP's 1 MiB and 25 MiB); it is issued where its last member stood.
-   All-gathers are fused per layer (the FSDP unit: one all-gather per layer group and phase,
-   forward or backward re-gather): a layer's parameter gathers (inputs from placeholders
-   only, their copy-ins made first) where the first member stood; other gathers of a layer
-   (activations') where the last one stood, taking a gather only while no member's result
-   is read before it (so no consumer waits longer and no cycle forms; the readers of a
-   member that stood between move after the bucket). A bucket is one collective on the
-   flat concatenation (inductor's merge functions, `torch._inductor.fx_passes.bucketing`,
-   through `autopar._compat`), split back into views; a piece that is not contiguous (a
-   gather's column block of the (ranks, total) result, viewed to a member whose first dim
-   is 1) is copied out contiguous, as the unfused result was (readers `view` it; left as a
-   strided view, that raised in one pipeline half's stage program and left the other half
-   waiting on its receive: the pp x dp x tp "deadlock"). A fused all-gather is exact; a fused
-   reduction adds the same ranks' values, but a ring all-reduce's summation order depends
-   on where an element sits in the buffer, so its last bit may differ (as DDP's buckets
-   do): within the parity tolerances, not bit for bit.
-   A fused all-gather gathers into a fresh result (not inductor's preallocated `_out`
-   buffer, which the backend's work holds past its last reader).
-2. Scheduling. A stable re-ordering of the program that keeps the collectives' issue order
-   (each one issued after the one before it): its `wait_tensor` (and the views reading
-   the result) sink to just before the first node that needs them; a fused result's
-   unpacking (split views, contiguous copies) runs right at its wait, so the flat buffer
-   dies there. Gradient reductions (read by the output only) are issued as soon as their
-   inputs exist and the collective before them is issued. Forward gathers of parameters are
-   prefetched one ahead (the next one is issued when the previous one's wait runs, FSDP2's
-   order, or when the collective before it is issued if that comes later), never at the
-   program's start;
-   backward (re-)gathers of parameters, recomputed nodes and every other collective
-   (activations', the loss's) stay where the program as lowered (`passes.recompute`
-   included) has them, so no buffer lives longer than priced. Communication then overlaps
-   compute wherever the backend runs collectives asynchronously (gloo's worker threads,
-   NCCL's stream). Scheduling changes no number (the same ops on the same values, in
-   another order).
+   reductions) with the same (op, reduce op, group, dtype, kept as a copy or not: a
+   bucket's slices live while any does) are fused DDP-style: in traced order (the order
+   their inputs become ready), a bucket takes collectives until its bytes reach the cap
+   (`first_bucket_bytes` for a key's first bucket, `bucket_bytes` after: DDP's 1 MiB and
+   25 MiB), issued where its last member stood. All-gathers are fused per layer (FSDP's
+   unit: one per layer group and phase, forward or backward re-gather): a layer's parameter
+   gathers (inputs from placeholders only, their copy-ins made first) where the first
+   member stood; its other gathers (activations') where the last one stood, taking a gather
+   only while no member's result is read before it (no consumer waits longer, no cycle
+   forms; readers of a member that stood between move after the bucket). A bucket is one
+   collective on the flat concatenation (inductor's merge functions through
+   `autopar._compat`), split back into views; a piece that is not contiguous (a gather's
+   column block of the (ranks, total) result) is copied out contiguous, as the unfused
+   result was (left strided, it raised in one pipeline half's stage program and left the
+   other half waiting: the pp x dp x tp "deadlock"). A fused all-gather is exact and
+   gathers into a fresh result (inductor's preallocated `_out` buffer is held by the
+   backend's work past its last reader); a fused reduction's last bit may differ (a ring's
+   summation order depends on where an element sits, as in DDP's buckets): within the
+   parity tolerances, not bit for bit.
+2. Scheduling. A stable re-ordering that keeps the collectives' issue order: a
+   `wait_tensor` (and the views reading the result) sinks to just before the first node
+   that needs it; a fused result's unpacking (split views, contiguous copies) runs at its
+   wait, so the flat buffer dies there. Gradient reductions are issued as soon as their
+   inputs exist and the collective before them is issued. Forward gathers of parameters
+   are prefetched one ahead (issued when the previous one's wait runs, FSDP2's order, or
+   when the collective before it is issued if later), never at the program's start;
+   backward (re-)gathers, recomputed nodes and every other collective (activations', the
+   loss's) stay where the lowered program (`passes.recompute` included) has them, so no
+   buffer lives longer than priced. Communication then overlaps compute wherever the
+   backend runs collectives asynchronously (gloo's worker threads, NCCL's stream).
+   Scheduling changes no number (the same ops on the same values, in another order).
 
 What the cost model must price so (`cost_models.buckets.bucket_plan` is the bucket
 assignment as a pure function): per gradient-reduction key, sum(sizes) bytes in
 len(buckets) collectives (latency once per bucket); a bucket's time overlaps the backward
-compute that follows its last gradient; the last bucket is exposed. Memory
-(`search.liveness`): a bucket's gradients live until it closes, its flat input alongside
-them at the concatenation (in a stage's backward program too); a layer's fused gather makes
-all its members when the first is needed (flat result alive while they are copied out).
+compute after its last gradient; the last bucket is exposed. Memory (`search.liveness`):
+a bucket's gradients live until it closes, its flat input beside them at the
+concatenation; a layer's fused gather makes all its members when the first is needed.
 A pipeline stage (`search.inter_op.stage_time`): each microbatch's programs priced as
-`search.step` prices a step, an fsdp stage's gradient reduce-scatters (which run in every
-microbatch's backward) included, bucketed behind the backward; replicated parameters'
-all-reduces are priced once per step from the stage's last backward (as
-`runtime.pipeline.GradientSync` runs them). Stage cuts balance these same stage times.
-Not priced: a forward gather's flat result issued one layer ahead (alive during the
-previous layer's forward).
+`search.step` prices a step, an fsdp stage's gradient reduce-scatters (every microbatch's
+backward) bucketed behind the backward; replicated parameters' all-reduces once per step
+from the stage's last backward (`runtime.stage_grads.GradientSync`). Not priced: a
+forward gather's flat result issued one layer ahead (alive during the previous layer's
+forward); ZeRO's copied flat shards (a chunk's, a cast's) bucketed apart from the rest.
 """
 
 from __future__ import annotations
@@ -99,23 +92,20 @@ ALL_GATHER = _F.all_gather_into_tensor.default
 # ops that only re-label a result (the split views of a bucket, reshapes): they sink with
 # the wait they read
 VIEWS = {
-    operator.getitem,
-    torch.ops.aten.view.default,
-    torch.ops.aten._unsafe_view.default,
-    torch.ops.aten.reshape.default,
+    *(operator.getitem, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default),
+    *(torch.ops.aten.reshape.default, torch.ops.aten.alias.default),
     *(torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default),
     *(torch.ops.aten.unbind.int, torch.ops.aten.permute.default, torch.ops.aten.t.default),
     *(torch.ops.aten.squeeze.dim, torch.ops.aten.unsqueeze.default),
-    torch.ops.aten.alias.default,
 }
 # what unpacks a fused collective's result into its members' tensors (a view, then a
 # contiguous copy): emitted together right after the wait, so the flat buffer dies there
 UNPACK = VIEWS | {torch.ops.aten.clone.default}
+COPIES = {torch.ops.aten.clone.default, torch.ops.aten._to_copy.default}  # `_copied`
 # what makes a rank's piece of an unevenly sharded value around a collective (the pad of
 # its input, the narrow of its result): some ranks' programs have them, others not
 PIECES = {
-    torch.ops.aten.constant_pad_nd.default,
-    torch.ops.aten.slice.Tensor,
+    *(torch.ops.aten.constant_pad_nd.default, torch.ops.aten.slice.Tensor),
     torch.ops.aten.narrow.default,
 }
 
@@ -166,13 +156,11 @@ def optimize_comm(
 
 # ---- bucketing -------------------------------------------------------------------------
 def _collectives(graph: fx.Graph) -> list[fx.Node]:
+    kinds = (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, _F.all_reduce_.default)
     return [
         n
         for n in graph.nodes
-        if n.op == "call_function"
-        and n.target in (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, _F.all_reduce_.default)
-        and len(n.users) == 1
-        and next(iter(n.users)).target in WAITS
+        if n.target in kinds and len(n.users) == 1 and next(iter(n.users)).target in WAITS
     ]
 
 
@@ -189,7 +177,7 @@ def _key(node: fx.Node) -> tuple | None:
     if not is_backward(node):
         return None  # forward reductions (TP activations, the loss) are needed at once
     # backward: gradient reductions (`_bucket` keeps those read only by the output)
-    return (str(node.target), *node.args[1:], val.dtype)
+    return (str(node.target), *node.args[1:], val.dtype, _copied(next(iter(node.users))))
 
 
 def _bucket(graph: fx.Graph, options: CommOptions) -> list[int]:
@@ -227,6 +215,17 @@ def _bucket(graph: fx.Graph, options: CommOptions) -> list[int]:
     _stable_topological(graph)
     _gather_into_fresh(graph)
     return [len(m) for m in done if len(m) > 1]
+
+
+def _copied(node: fx.Node) -> bool:
+    """Whether `node`'s readers keep a copy of its result (ZeRO's flat gradient shard in the
+    master dtype or a storage of its own, `passes.precision`): bucketed beside members kept
+    as slices, its slice would live on beside its copy (`_key` puts them apart)."""
+    return any(
+        u.target in COPIES or (u.target in VIEWS | PIECES and _copied(u))
+        for u in node.users
+        if u.op == "call_function"
+    )
 
 
 def _first_use(node: fx.Node, pos: dict[fx.Node, int]) -> int:

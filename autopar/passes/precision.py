@@ -223,8 +223,15 @@ class _ZeroBoundary(torch.autograd.Function):
         dt = DTensor.from_local(flat, mesh, src, run_check=False, shape=flat.shape, stride=(1,))
         shard = dt.redistribute(mesh, flat_spec(spec)).to_local()
         assert shard.numel() == ctx.flat_numel, (shard.shape, ctx.flat_numel)
-        # a storage of its own: a chunk (no reduction on an axis) would keep the full
-        # gradient alive through the view
-        out = shard.to(ctx.dtypes[1]) if shard.dtype != ctx.dtypes[1] else shard.clone()
+        # a storage of its own: a chunk (an axis without a reduction) or the local
+        # gradient itself (no replicated axis) would keep the full gradient alive through
+        # the view. Reduce-scattered on every replicated axis, the shard is the collective's
+        # own result (or its slice of a gradient bucket, `passes.comm`): no copy
+        axes = replicated_axes(spec)
+        fresh = bool(axes) and all(src[a].is_partial() for a in axes)
+        if shard.dtype != ctx.dtypes[1]:
+            out = shard.to(ctx.dtypes[1])
+        else:
+            out = shard if fresh else shard.clone()
         full = None if b.shard_gradients else local.to(ctx.dtypes[0])
         return full, out, None, None, None, None
