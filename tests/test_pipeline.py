@@ -408,9 +408,9 @@ def test_fsdp_gradients_are_reduced_in_every_microbatch() -> None:
         waited = stage_time(part, sub, None)  # no pass: one per tensor, waited at once
         assert waited == pytest.approx(part.time + (0 if per_step else fused_time(grads, sub)))
         one, four = (price_schedule(costs, "gpipe", 2, m, cluster) for m in (1, 4))
-        # a stage's two layers: one flat buffer, copied in and back; the first rank's last
-        # backward ends the timeline, so its reduction is all exposed
-        flat = fused_time(grads * 2, sub) + fused_copies(grads * 2, sub, back=True)
+        # a stage's two layers: one flat buffer, copied in (the sums stay its slices); the
+        # first rank's last backward ends the timeline, so its reduction is all exposed
+        flat = fused_time(grads * 2, sub) + fused_copies(grads * 2, sub)
         assert one.sync == pytest.approx(flat if per_step else 0.0)
         assert four.sync == pytest.approx(one.sync)  # once per step, whatever the microbatches
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -75,31 +76,41 @@ class _StageReduction:
 class GradientSync(_StageReduction):
     """All-reduce, in place: one flat buffer per (partial axes, dtype) of a stage, issued
     over its first partial axis; `wait` reduces it over the further ones (a parameter
-    replicated on two axes: rare and small, the norms under sequence parallelism) and
-    copies the sums back."""
+    replicated on two axes: rare and small, the norms under sequence parallelism). The
+    gradients then are their slices of the buffer (DDP's `gradient_as_bucket_view`): copied
+    back only where the reduction ran in another dtype or the gradient is strided. A lone
+    gradient is its own buffer (`_reducible_in_place`)."""
 
     def _issue(self, module: StageModule) -> None:
-        buckets: dict[tuple, list[torch.Tensor]] = {}
+        buckets: dict[tuple, list[nn.Parameter]] = {}
         for i, p in enumerate(module.shards):
             keep = module.grad_placements.get(i)
             if p.grad is None or keep is None or not any(q.is_partial() for q in keep):
                 continue
             assert all(is_sum_partial(q) for q in keep if q.is_partial()), keep
             axes = tuple(a for a, q in enumerate(keep) if q.is_partial())
-            buckets.setdefault((axes, module.reduce_dtype or p.grad.dtype), []).append(p.grad)
-        for (axes, dtype), grads in buckets.items():
-            flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
+            buckets.setdefault((axes, module.reduce_dtype or p.grad.dtype), []).append(p)
+        for (axes, dtype), params in buckets.items():
+            grads = [p.grad for p in params]
+            alone = len(grads) == 1 and _reducible_in_place(grads[0], dtype)
+            flat = (
+                grads[0].view(-1) if alone else torch.cat([g.reshape(-1).to(dtype) for g in grads])
+            )
             work = dist.all_reduce(flat, group=self.mesh.get_group(axes[0]), async_op=True)
-            self._pending.append((work, flat, axes[1:], grads))
+            self._pending.append((work, flat, axes[1:], [] if alone else params))
 
-    def _finish(self, work, flat: torch.Tensor, rest: tuple[int, ...], grads) -> None:
+    def _finish(self, work, flat: torch.Tensor, rest: tuple[int, ...], params) -> None:
         work.wait()
         for axis in rest:
             dist.all_reduce(flat, group=self.mesh.get_group(axis))
         offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for p in params:  # none when the gradient was reduced in place
+            piece = flat[offset : offset + p.grad.numel()].view(p.grad.shape)
+            if _reducible_in_place(p.grad, flat.dtype):
+                p.grad = piece  # the bucket's slice: no copy back
+            else:
+                p.grad.copy_(piece)
+            offset += piece.numel()
 
 
 class GradientScatter(_StageReduction):
@@ -141,11 +152,15 @@ class GradientScatter(_StageReduction):
         for (src, dst, dtype), grads in buckets.items():
             r = math.prod(self.mesh.size(a) for a, q in enumerate(dst) if isinstance(q, Shard))
             widths = [-(-g.numel() // r) for _, g in grads]
-            rows = torch.zeros(r, sum(widths), dtype=dtype, device=grads[0][1].device)
-            offset = 0
-            for (_, g), w in zip(grads, widths, strict=True):
-                _fill_rows(rows[:, offset : offset + w], g)
-                offset += w
+            alone = grads[0][1]
+            if len(grads) == 1 and alone.numel() % r == 0 and _reducible_in_place(alone, dtype):
+                rows = alone.view(r, widths[0])  # its own rows: nothing to pad or copy in
+            else:
+                rows = torch.zeros(r, sum(widths), dtype=dtype, device=alone.device)
+                offset = 0
+                for (_, g), w in zip(grads, widths, strict=True):
+                    _fill_rows(rows[:, offset : offset + w], g)
+                    offset += w
             entries = [(module.stage.index, i, w) for (i, _), w in zip(grads, widths, strict=True)]
             axis = _one_scatter_axis(src, dst)
             if axis is None:
@@ -173,6 +188,13 @@ class GradientScatter(_StageReduction):
             wanted = self.master is not None and shard.dtype != self.master
             self.shards[stage, i] = shard.to(self.master) if wanted else shard
             offset += w
+
+
+def _reducible_in_place(grad: torch.Tensor, dtype: torch.dtype) -> bool:
+    """A gradient contiguous and already in the reduce dtype: alone in its bucket, it is
+    the flat buffer (no copy in or back, as `cost_models.buckets.fused_copies` prices a key
+    of one tensor); in a bucket, its slice of the sum replaces it (no copy back)."""
+    return grad.is_contiguous() and grad.dtype == dtype
 
 
 def _one_scatter_axis(src: tuple, dst: tuple) -> int | None:

@@ -150,6 +150,9 @@ class LayerCosts:
     # ZeRO: bytes the all-gathers after the optimizer step move (the working parameters,
     # `runtime.optimizer.ParamState`) per gradient byte reduced; 0: no ZeRO
     zero: float = 0.0
+    # the once-per-step reduction runs in another dtype than the gradients: its sums are
+    # cast back into them (`runtime.stage_grads`; else they are the buffer's slices)
+    cast_back: bool = False
 
     @property
     def time(self) -> list[float]:
@@ -200,10 +203,15 @@ def layer_costs(captured: Captured, result: IntraOpResult) -> LayerCosts:
             post += cost
         else:
             pre += cost
-    zero = zero_gather_ratio(captured, result)
-    return LayerCosts(
-        tuple(layers), tuple(parts), pre, post, crossing(captured, result), result.comm, zero
-    )
+    zero, cast = zero_gather_ratio(captured, result), result.ctx.reduce_itemsize
+    cast_back = bool(cast) and cast != _param_itemsize(captured)
+    cross = crossing(captured, result)
+    return LayerCosts(tuple(layers), tuple(parts), pre, post, cross, result.comm, zero, cast_back)
+
+
+def _param_itemsize(captured: Captured) -> int:
+    params = (n for n in captured.placeholders() if n.name in captured.params)
+    return next((n.meta["val"].element_size() for n in params), 4)
 
 
 def _grads(result: IntraOpResult, n, pos: int, op) -> list[Grad]:
@@ -350,7 +358,7 @@ def _simulated(lc, schedule, pp, microbatches, cluster, cuts, stages, times, ran
         syncs = [fused_time(grads[s], sub) for s in own]
         overlap = sub.device.overlap_efficiency
         done = synced_end(tl.ends[r], [tl.grads_done[s] for s in own], syncs, overlap)
-        copies = sum(fused_copies(grads[s], sub, back=True) for s in own)  # flat buffers
+        copies = sum(fused_copies(grads[s], sub, back=lc.cast_back) for s in own)  # flat buffers
         finish.append(done + copies + sum(p.update for p in mine))  # then its optimizer step
     step = max(finish)
     boundary = "scattered" if scattered else "placed"
