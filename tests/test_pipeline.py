@@ -389,6 +389,8 @@ def test_fsdp_gradients_are_reduced_in_every_microbatch() -> None:
     program (`runtime.pipeline._DeferGradSync` leaves only the replicated ones' partial):
     priced in the stage's microbatch, bucketed behind its backward; a replicated one's
     all-reduce runs once per step from the stage's last backward (`GradientSync`)."""
+    from dataclasses import replace
+
     from autopar.cost_models.buckets import fused_copies, fused_time
     from autopar.search.inter_op import price_schedule, reduced_per_step, stage_cluster, stage_time
 
@@ -412,6 +414,10 @@ def test_fsdp_gradients_are_reduced_in_every_microbatch() -> None:
         # first rank's last backward ends the timeline, so its reduction is all exposed
         flat = fused_time(grads * 2, sub) + fused_copies(grads * 2, sub)
         assert one.sync == pytest.approx(flat if per_step else 0.0)
+        # reduced in another dtype than the gradients: the sums are cast back into them
+        cast = price_schedule(replace(costs, cast_back=True), "gpipe", 2, 1, cluster)
+        back = fused_copies(grads * 2, sub, back=True) - fused_copies(grads * 2, sub)
+        assert back > 0 and cast.sync == pytest.approx(one.sync + (back if per_step else 0.0))
         assert four.sync == pytest.approx(one.sync)  # once per step, whatever the microbatches
 
 
