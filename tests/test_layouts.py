@@ -264,24 +264,32 @@ def test_a_winner_whose_plan_is_over_memory_gives_way_to_the_next_fastest() -> N
 
 def test_work_prepared_ahead_changes_no_price(monkeypatch) -> None:
     """While a layout's ILP solves, the next layout's template, strategies and prices are
-    prepared (`search.ahead`) and taken by its own call: the search prices and decides
-    exactly as it does without it."""
+    prepared (`search.ahead`), its ILPs started on a spare core, and taken by its own call:
+    the search prices and decides exactly as it does without it."""
     from autopar.search import ahead
 
     model, batch = _meta_gpt("tiny4", 16)
     cluster = Cluster.preset("dgx-h100", nodes=1)
-    taken = []
-    take = ahead.take
+    taken, started = [], []
+    take, start = ahead.take, ahead.start
 
     def counting(key):
         found = take(key)
-        taken.append(found is not None)
+        taken.append(found is not None and found[-1] is not None)
         return found
 
+    def starting(solve, *args):
+        started.append(len(args[0]))  # the candidate's problems
+        return start(solve, *args)
+
     monkeypatch.setattr(ahead, "take", counting)
+    monkeypatch.setattr(ahead, "start", starting)
     with fake_group(cluster.world_size):
         with_ahead = search_layout(model, batch, cluster, SearchOptions())
-        assert any(taken) and not ahead._KEPT  # work was taken; nothing outlives the search
+        # work was taken, its solve started ahead where a core was spare; nothing (kept
+        # work, a solve started ahead) outlives the search
+        assert any(taken) == ahead.spare_core() == bool(started), (taken, started)
+        assert not ahead._KEPT and not ahead._STARTED
         monkeypatch.setattr(_Pricer, "prepare_next", lambda self, layout, bar: None)
         taken.clear()
         without = search_layout(model, batch, cluster, SearchOptions())

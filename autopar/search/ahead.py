@@ -5,7 +5,8 @@
 
 HiGHS solves in C++ without the GIL (`ilp.solve_all` runs it on threads), so on a machine of
 two cores the search's own Python (the next candidate's template capture, strategies and
-prices) can run beside it. What is prepared ahead is what the candidate's own call would
+prices) can run beside it, and the next candidate's ILPs start (`start`) as soon as its
+problems are built: its `solve_intra` then waits on that solve instead of starting one. What is prepared ahead is what the candidate's own call would
 compute with the same arguments (`intra_op.prepare_intra` keeps it under their key, taken
 by that call), and the search decides which candidates to price exactly as it would
 without it (in order, each with the bar of those before), so plans do not change: work
@@ -14,12 +15,16 @@ prepared for a candidate that is then pruned is only lost time.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Hashable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
 _KEPT: dict[Hashable, object] = {}  # key -> prepared work, oldest first
 KEPT_AT_MOST = 2  # a candidate prepared ahead, and the one being priced
 _MEANWHILE: list[Callable[[], None]] = []
+_STARTED: list[Future] = []  # solves started ahead (`start`), oldest first
+_SOLVER: ThreadPoolExecutor | None = None
 
 
 def keep(key: Hashable, value: object) -> None:
@@ -53,6 +58,38 @@ def take_meanwhile() -> Callable[[], None] | None:
     return _MEANWHILE.pop() if _MEANWHILE else None
 
 
+def spare_core() -> bool:
+    """Whether a solve started ahead can run on a core of its own (two or more cores)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (cores or 1) > 1
+
+
+def start(solve: Callable[..., object], *args: object) -> Future:
+    """`solve(*args)` on the thread that solves ahead (one at a time, beside the solver of
+    the candidate being priced): the next candidate's ILPs start as soon as its problems
+    are built, instead of after the current candidate's finish."""
+    global _SOLVER
+    if _SOLVER is None:
+        _SOLVER = ThreadPoolExecutor(1, thread_name_prefix="autopar-ahead")
+    future = _SOLVER.submit(solve, *args)
+    _STARTED.append(future)
+    return future
+
+
+def run_safely(work: Callable[[], None]) -> None:
+    """Work done ahead for a later call that will do it again if it fails here: its
+    error is that call's to raise (with that call's context), not this one's."""
+    try:
+        work()
+    except Exception:  # noqa: BLE001 - see the docstring
+        pass
+
+
 def clear() -> None:
-    """Drop what was kept (a search ends: its captures and prices go with it)."""
+    """Drop what was kept (a search ends: its captures and prices go with it), after the
+    solves started ahead (none runs on after the search)."""
     _KEPT.clear()
+    while _STARTED:
+        future = _STARTED.pop()
+        if not future.cancel():
+            future.exception()  # waits; a solve's error is a value (`ilp.solve_all`)

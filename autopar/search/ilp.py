@@ -79,6 +79,7 @@ from datetime import timedelta
 
 from ortools.math_opt.python import mathopt
 
+from autopar.search import ahead
 from autopar.search.ilp_model import _build, _Model  # noqa: F401 - tests build models
 from autopar.search.ilp_problem import (  # noqa: F401 - re-exported
     Edge,
@@ -331,14 +332,5 @@ def solve_all(
     with ThreadPoolExecutor(workers, thread_name_prefix="autopar-ilp") as pool:
         futures = [pool.submit(solve, p) for p in problems]
         if meanwhile is not None:
-            _run_ahead(meanwhile)
+            ahead.run_safely(meanwhile)
         return [f.result() for f in futures]
-
-
-def _run_ahead(work: Callable[[], None]) -> None:
-    """Work done ahead for a later call that will do it again if it fails here: its
-    error is that call's to raise (with that call's context), not this one's."""
-    try:
-        work()
-    except Exception:  # noqa: BLE001 - see the docstring
-        pass

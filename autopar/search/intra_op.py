@@ -262,10 +262,15 @@ def solve_intra(
     t0 = time.perf_counter()
     args = (captured, cluster, mesh, options, weights, memory_limit, comm)
     found = ahead.take(_prepared_key(*args))
-    strats, scales, built = found[1:] if found is not None else _prepare(*args)
+    strats, scales, built, solving = found[1:] if found is not None else (*_prepare(*args), None)
     best, solve_s, seen = None, 0.0, set()
     with phase("ILP"):
-        outcomes = solve_all(built.problems, meanwhile=ahead.take_meanwhile())
+        if solving is None:
+            outcomes = solve_all(built.problems, meanwhile=ahead.take_meanwhile())
+        else:  # its ILPs started when they were prepared (`search.ahead.start`)
+            if (work := ahead.take_meanwhile()) is not None:
+                ahead.run_safely(work)
+            outcomes = solving.result()
     for k, (problem, solution) in enumerate(zip(built.problems, outcomes, strict=True)):
         if isinstance(solution, MemoryInfeasible):  # the same memory at every scale
             raise solution.explained(cluster, problem.memory_limit) from None
@@ -305,7 +310,10 @@ def prepare_intra(
     args = (captured, cluster, mesh, options, weights, memory_limit, comm)
     key = _prepared_key(*args)
     if not ahead.kept(key):
-        ahead.keep(key, (captured, *_prepare(*args)))  # `captured` kept alive: its id is key
+        strats, scales, built = _prepare(*args)
+        solving = ahead.start(solve_all, built.problems) if ahead.spare_core() else None
+        # `captured` kept alive: its id is in the key
+        ahead.keep(key, (captured, strats, scales, built, solving))
 
 
 def _prepared_key(captured, cluster, mesh, options, weights, memory_limit, comm) -> tuple:
