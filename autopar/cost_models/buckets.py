@@ -31,14 +31,15 @@ waited in full.
 Copies (``copy_time``, ``fused_copies``): a collective of two or more tensors runs on a flat
 buffer, and the bytes go in and out of it on the device, at its memory-bound rate, beside
 the compute (not under the collective): a reduction's inputs are concatenated (``B`` read
-and written; its results are views of the buffer, as a pipeline's `GradientSync` leaves
-them too unless it reduced in another dtype and casts the sums back: ``B`` again), an all-gather's local shards are copied in (``B / n``) and
-each member copied out of the ``(ranks, total)`` result (``B``). One tensor alone is not
-copied. On an H100 the copies of a reduction take ~1/5 of its all-reduce over NVLink (HBM at
-~3 TB/s against ~370 GB/s of bus bandwidth) and a few % of one across nodes; on a CPU, whose
-memory-bound ops run at a few GB/s per process, they were most of what FSDP's step measured
-beyond dp's. (Megatron-Core's contiguous gradient buffers avoid the copy in too: the
-backward writes the gradients into the buffer; the runtime does not.)
+and written; its results are views of the buffer, as a pipeline's `GradientSync` leaves them
+too unless it reduced in another dtype and casts the sums back: ``B`` again), an
+all-gather's local shards are copied in (``B / n``) and each member copied out of the
+``(ranks, total)`` result (``B``). One tensor alone is not copied. On an H100 the copies of
+a reduction take ~1/5 of its all-reduce over NVLink (HBM at ~3 TB/s against ~370 GB/s of bus
+bandwidth) and a few % of one across nodes; on a CPU, whose memory-bound ops run at a few
+GB/s per process, they were most of what FSDP's step measured beyond dp's. (Megatron-Core's
+contiguous gradient buffers avoid the copy in too: the backward writes the gradients into
+the buffer; the runtime does not.)
 
 Exposure (``serial_exposure``): one serial communication channel. Bucket ``k`` starts at
 ``max(ready_k, done_{k-1})`` (``ready_k``: its last gradient's ready time) and takes ``t_k``;

@@ -6,11 +6,12 @@
 HiGHS solves in C++ without the GIL (`ilp.solve_all` runs it on threads), so on a machine of
 two cores the search's own Python (the next candidate's template capture, strategies and
 prices) can run beside it, and the next candidate's ILPs start (`start`) as soon as its
-problems are built: its `solve_intra` then waits on that solve instead of starting one. What is prepared ahead is what the candidate's own call would
-compute with the same arguments (`intra_op.prepare_intra` keeps it under their key, taken
-by that call), and the search decides which candidates to price exactly as it would
-without it (in order, each with the bar of those before), so plans do not change: work
-prepared for a candidate that is then pruned is only lost time.
+problems are built: its `solve_intra` then waits on that solve instead of starting one. What
+is prepared ahead is what the candidate's own call would compute with the same arguments
+(`intra_op.prepare_intra` keeps it under their key, taken by that call), and the search
+decides which candidates to price exactly as it would without it (in order, each with the
+bar of those before), so plans do not change: work prepared for a candidate that is then
+pruned is only lost time.
 """
 
 from __future__ import annotations
