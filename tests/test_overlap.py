@@ -47,16 +47,16 @@ def _starts(gm) -> list:
 
 
 @functools.cache
-def _planned(strategy: str, reshard: bool = False) -> tuple:
+def _planned(strategy: str, reshard: bool = False, zero: bool = False) -> tuple:
     model, batch = load_model("gpt", "tiny", 8, seed=0)
     cluster = autopar.Cluster.local(mesh=(4,), axis_names=("dp",))
-    options = PlanOptions(strategy=strategy, reshard_after_forward=reshard)
+    options = PlanOptions(strategy=strategy, reshard_after_forward=reshard, shard_optimizer=zero)
     plan, captured, mesh = plan_for_ranks(model, batch, cluster, None, options, None)
     return model, captured, plan, mesh
 
 
-def _program(strategy: str, comm: CommOptions, reshard: bool = False):
-    return ParallelModel(*_planned(strategy, reshard), comm=comm).program.gm
+def _program(strategy: str, comm: CommOptions, reshard: bool = False, zero: bool = False):
+    return ParallelModel(*_planned(strategy, reshard, zero), comm=comm).program.gm
 
 
 @pytest.fixture(scope="module")
@@ -266,6 +266,22 @@ def _rank_report(world: int) -> list[dict]:
         )
         dist.barrier()
     return report
+
+
+def test_zero_shards_are_bucketed_without_copies(fake_group) -> None:
+    """ZeRO-1 dp: each replicated parameter's gradient is reduce-scattered into its flat
+    shard (`passes.precision`); that shard is the collective's own result, kept as it is
+    (no clone), and the reduce-scatters are bucketed like DDP's all-reduces. A member kept
+    as a copy would hold its bucket slice beside the copy (`passes.comm._copied`)."""
+    from autopar.passes.comm import REDUCE_SCATTER, _copied
+
+    def scatters(gm) -> list:
+        return [n for n in _starts(gm) if n.target is REDUCE_SCATTER and is_backward(n)]
+
+    plain = scatters(_program("dp", OFF, zero=True))
+    fused = scatters(_program("dp", CommOptions(), zero=True))
+    assert len(plain) >= 20 and not any(_copied(next(iter(n.users))) for n in plain)
+    assert 1 <= len(fused) <= 3 and not any(_copied(next(iter(n.users))) for n in fused)
 
 
 @pytest.mark.multiproc
