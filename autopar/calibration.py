@@ -57,6 +57,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -127,11 +128,23 @@ def calibrate(
             join=True,
         )
         measured = json.loads(out.read_text())
+    # a calibration describes the machine on its day (load, clocks, what else runs)
+    measured["taken_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return cluster_from_measurements(measured, mesh, names, backend), measured
 
 
 def write_calibration(cluster: Cluster, measured: dict[str, Any], path: str | os.PathLike) -> None:
     cluster.save(path, calibration=measured)
+
+
+def calibration_age_hours(path: str | os.PathLike) -> float | None:
+    """Hours since the cluster file at `path` was calibrated (None: not a calibration, or
+    one written before calibrations were dated)."""
+    with open(path) as f:
+        taken = json.load(f).get("calibration", {}).get("taken_at")
+    if taken is None:
+        return None
+    return (datetime.now(timezone.utc) - datetime.fromisoformat(taken)).total_seconds() / 3600
 
 
 # ------------------------------------------------------------------------------ fitting

@@ -18,7 +18,9 @@ measurement, so two names of one program are not ranked by the machine's noise.
 Per sample: Spearman's rank correlation of predicted vs measured, the median absolute
 relative error, and the measured rank of the plans the search picked ("auto"). Targets
 (issue 10): Spearman >= 0.9, median error <= 20%, the pick fastest or within 10%.
-Measurements on a shared, loaded machine are noisy: say so beside the figures.
+Measurements on a shared, loaded machine are noisy: say so beside the figures. A cluster
+file describes the machine on the day it was calibrated (`taken_at`): one older than
+`STALE_HOURS`, or undated, is reported before the run.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autopar  # noqa: E402
-from autopar.calibration import calibrate, write_calibration  # noqa: E402
+from autopar.calibration import calibrate, calibration_age_hours, write_calibration  # noqa: E402
 from autopar.cli.sources import load_model  # noqa: E402
 from autopar.devices import choose_backend, free_port, init_rank  # noqa: E402
 from autopar.testing.reference import LR  # noqa: E402
@@ -191,6 +193,9 @@ def summarize(results: list[dict]) -> list[str]:
     return lines
 
 
+STALE_HOURS = 6.0  # older calibrations are reported as such
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cluster", default="build/cluster.json")
@@ -207,6 +212,14 @@ def main(argv: list[str] | None = None) -> int:
         cluster, measured = calibrate(WORLD, backend=backend)
         write_calibration(cluster, measured, args.cluster)
         print(f"calibrated: {cluster}")
+    age = calibration_age_hours(args.cluster)
+    if age is None or age > STALE_HOURS:
+        when = "undated" if age is None else f"taken {age:.0f} h ago"
+        print(
+            f"warning: {args.cluster} is a calibration {when}: it describes the machine on "
+            "its day (a two-day-old file read every gpt:small row ~20% fast); --calibrate "
+            "measures this one now"
+        )
     with tempfile.TemporaryDirectory(prefix="autopar-bench-") as tmp:
         mp.spawn(_worker, args=(WORLD, free_port(), backend, args, tmp), nprocs=WORLD, join=True)
         results = json.loads(Path(tmp, "results.json").read_text())

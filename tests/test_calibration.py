@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from autopar.calibration import _fit_link, cluster_from_measurements, overlap_efficiency
+from autopar.calibration import (
+    _fit_link,
+    calibration_age_hours,
+    cluster_from_measurements,
+    overlap_efficiency,
+)
 from autopar.cli import app
 from autopar.cli.args import make_cluster
 from autopar.cluster import Cluster, Link
@@ -111,7 +116,8 @@ def test_calibrate_command_writes_a_loadable_cluster(tmp_path: Path) -> None:
     assert all(v > 0 for v in cluster.device.peak_flops.values())
     assert cluster.links[0].bandwidth > 0 and cluster.device.launch_overhead > 0
     raw = json.loads(out.read_text())
-    assert {"matmul", "memory", "comm", "overlap"} <= set(raw["calibration"])
+    assert {"matmul", "memory", "comm", "overlap", "taken_at"} <= set(raw["calibration"])
+    assert 0.0 <= calibration_age_hours(out) < 1.0  # dated: a calibration is of its day
     assert 0.0 <= cluster.device.overlap_efficiency <= 1.0
     assert len(raw["calibration"]["comm"]["dp"]) == 2 * 5  # 2 sizes x (4 collectives + p2p)
     assert make_cluster(str(out), 1, None, "tp").axis_names == ("tp",)
