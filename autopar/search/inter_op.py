@@ -71,6 +71,7 @@ from autopar.search.stage_cuts import balanced_cuts, range_prices
 from autopar.search.step import (
     Part,
     overlapped_time,
+    param_itemsize,
     program_parts,
     zero_gather_ratio,
     zero_gathers,
@@ -204,14 +205,9 @@ def layer_costs(captured: Captured, result: IntraOpResult) -> LayerCosts:
         else:
             pre += cost
     zero, cast = zero_gather_ratio(captured, result), result.ctx.reduce_itemsize
-    cast_back = bool(cast) and cast != _param_itemsize(captured)
+    cast_back = bool(cast) and cast != param_itemsize(captured)
     cross = crossing(captured, result)
     return LayerCosts(tuple(layers), tuple(parts), pre, post, cross, result.comm, zero, cast_back)
-
-
-def _param_itemsize(captured: Captured) -> int:
-    params = (n for n in captured.placeholders() if n.name in captured.params)
-    return next((n.meta["val"].element_size() for n in params), 4)
 
 
 def _grads(result: IntraOpResult, n, pos: int, op) -> list[Grad]:

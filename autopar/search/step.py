@@ -126,9 +126,14 @@ def zero_gather_ratio(captured: Captured, result: IntraOpResult) -> float:
     per gradient byte reduced; 0 without ZeRO."""
     if not result.ctx.shard_optimizer:
         return 0.0
-    params = (n for n in captured.placeholders() if n.name in captured.params)
-    itemsize = next((n.meta["val"].element_size() for n in params), 4)
+    itemsize = param_itemsize(captured)
     return itemsize / (result.ctx.reduce_itemsize or itemsize)
+
+
+def param_itemsize(captured: Captured) -> int:
+    """Bytes per element of the captured parameters (4 without any)."""
+    params = (n for n in captured.placeholders() if n.name in captured.params)
+    return next((n.meta["val"].element_size() for n in params), 4)
 
 
 def _is_all_reduce(kind) -> bool:
