@@ -59,10 +59,15 @@ def take_meanwhile() -> Callable[[], None] | None:
     return _MEANWHILE.pop() if _MEANWHILE else None
 
 
+def cores() -> int:
+    """The cores this process may run on."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return n or 1
+
+
 def spare_core() -> bool:
     """Whether a solve started ahead can run on a core of its own (two or more cores)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (cores or 1) > 1
+    return cores() > 1
 
 
 def start(solve: Callable[..., object], *args: object) -> Future:

@@ -70,7 +70,6 @@ time limit.
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -325,8 +324,7 @@ def solve_all(
         except (MemoryInfeasible, SolverTimeout, ValueError, RuntimeError) as exc:
             return exc
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    workers = min(len(problems), cores or 1)
+    workers = min(len(problems), ahead.cores())
     if workers <= 1 and meanwhile is None:
         return [solve(p) for p in problems]
     with ThreadPoolExecutor(workers, thread_name_prefix="autopar-ilp") as pool:
