@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -183,7 +184,14 @@ class PipelinePlan:
     stage mesh's replicated axes too (`scattered_spec`), each rank sending 1/n of it; the
     next stage gathers it back where its plan needs it (Megatron's scatter/gather of
     pipeline messages: less traffic on the slow inter-stage link for a gather on the
-    fast one)."""
+    fast one). "canonical": split on one dim over all the stage's devices in rank order
+    (`canonical_spec`), what every stage mesh shape holds alike.
+
+    `rank_meshes`: the stage mesh shape of each pipeline rank, where they differ (Alpa's
+    submesh choice with the device count fixed: the rank holding the embedding or the head
+    on another (dp, tp) than the blocks'); empty: every rank on `stage_mesh`. Every axis
+    keeps its name, so a node's placements read on the mesh of the rank its stage runs on;
+    activations then cross as "canonical"."""
 
     pp: int
     stage_cuts: tuple[int, ...]
@@ -194,18 +202,50 @@ class PipelinePlan:
     stage_axis_names: tuple[str, ...]
     rank_of_stage: tuple[int, ...]
     timeline: tuple[str, ...] = ()  # text rows, one per pipeline rank (see search/schedules)
-    boundary: str = "placed"  # or "scattered"
+    boundary: str = "placed"  # or "scattered", "canonical"
+    rank_meshes: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.boundary not in BOUNDARIES:
             raise ValueError(f"pipeline boundary {self.boundary!r}: expected one of {BOUNDARIES}")
+        if not self.rank_meshes:
+            return
+        devices = math.prod(self.stage_mesh)
+        for shape in self.rank_meshes:
+            if len(shape) != len(self.stage_axis_names) or math.prod(shape) != devices:
+                raise ValueError(
+                    f"stage mesh {shape} of the pipeline's rank_meshes {self.rank_meshes}: "
+                    f"every rank needs {devices} devices on {len(self.stage_axis_names)} "
+                    f"axes {self.stage_axis_names}"
+                )
+        if len(self.rank_meshes) != self.pp:
+            raise ValueError(f"rank_meshes has {len(self.rank_meshes)} shapes for pp={self.pp}")
+        if self.boundary != "canonical" and len(set(self.rank_meshes)) > 1:
+            raise ValueError("stages on meshes of different shapes cross 'canonical'")
+
+    def mesh_of(self, rank: int) -> tuple[int, ...]:
+        """The stage mesh shape of pipeline rank `rank`."""
+        return self.rank_meshes[rank] if self.rank_meshes else self.stage_mesh
 
     @classmethod
     def from_dict(cls, raw: dict) -> PipelinePlan:
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+        out = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
+        out["rank_meshes"] = tuple(tuple(m) for m in raw.get("rank_meshes", ()))
+        return cls(**out)
 
 
-BOUNDARIES = ("placed", "scattered")
+BOUNDARIES = ("placed", "scattered", "canonical")
+
+
+def canonical_spec(shape: tuple[int, ...], devices: int, ndim: int) -> Spec:
+    """How a value crosses between stage meshes of any shape with `devices` devices: every
+    one of the `ndim` axes splitting the first dim `devices` divides, nested, so that the
+    stage's k-th device (row-major) holds the value's k-th chunk whatever the mesh's shape
+    (replicated where no dim divides)."""
+    dim = next((d for d, n in enumerate(shape) if n >= devices and n % devices == 0), None)
+    if dim is None or devices == 1:
+        return (Replicate(),) * ndim
+    return (Shard(dim),) * ndim
 
 
 def scattered_spec(spec: Spec, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> Spec:
@@ -406,11 +446,14 @@ class Plan:
         return data
 
     def _fields(self) -> dict:
-        """`asdict`, a pipeline's default boundary ("placed") left out: a plan saved before
-        `PipelinePlan.boundary` existed reads (and hashes) as it was written."""
+        """`asdict`, a pipeline's default boundary ("placed") and uniform stage meshes left
+        out: a plan saved before `PipelinePlan.boundary` existed reads (and hashes) as it
+        was written."""
         data = asdict(self)
         if data.get("pipeline") and data["pipeline"]["boundary"] == "placed":
             del data["pipeline"]["boundary"]
+        if data.get("pipeline") and not data["pipeline"]["rank_meshes"]:
+            del data["pipeline"]["rank_meshes"]
         return data
 
     @classmethod

@@ -7,7 +7,9 @@ Schedules are spread over the meshes so that each one runs with DP and with TP i
 stages; interleaved and V-shaped schedules hold 2 virtual stages per rank. The zero-bubble
 schedules run each stage's backward split into its input- and weight-gradient halves
 (`runtime.zero_bubble`), and the simulator prices the halves as they run. On pp x tp, two
-cases run with the activations scattered over tp between the stages (`PipelinePlan.boundary`).
+cases run with the activations scattered over tp between the stages (`PipelinePlan.boundary`);
+on pp x dp, three run with their pipeline ranks on stage meshes of two shapes (dp x tp 2 x 1
+and 1 x 2, `PipelinePlan.rank_meshes`: activations cross "canonical").
 The drop-less MoE
 (`samples/_moe_dropless.py`, a region) runs pipelined on pp x dp: its aux-loss sum crosses
 the stage boundary and enters the next stage as the Partial its plan keeps.
@@ -82,6 +84,13 @@ def test_pipeline_matches_single_device(world, mesh, names, strategy, schedules)
             dataclasses.replace(c, boundary="scattered")
             for c in _cases("gpt", mesh, names, strategy, ("1f1b",))
             + _cases("llama", mesh, names, strategy, ("zbv",))
+        ]
+    if names == ("pp", "dp"):  # stage meshes of two shapes: rank 0 dp x tp 2 x 1, rank 1
+        # 1 x 2 (a V holds the tied embedding and head on rank 0; 1F1B sums them over pp)
+        stage = dict(config="tiny4", steps=STEPS, microbatches=4, rank_meshes=((2, 1), (1, 2)))
+        cases += [
+            ParityCase(sample, (2, 2, 1), ("pp", "dp", "tp"), ("dp", "tp"), schedule=s, **stage)
+            for sample, s in (("gpt", "zbv"), ("gpt", "1f1b"), ("llama", "interleaved1f1b"))
         ]
     # 8 rows in 4 microbatches of 2 over dp = 4: a clear error on every rank, no hang
     (too_thin,) = _cases("gpt", (1, 4), ("pp", "dp"), "dp", ("1f1b",))
@@ -547,6 +556,29 @@ def test_scattered_boundary_splits_each_replicated_axis_on_a_dim_of_its_own() ->
     assert scattered_spec((r, r), (8,), (1, 2)) == (r, Shard(0))
     with pytest.raises(ValueError, match="pipeline boundary 'flat'"):
         PipelinePlan(2, (0, 1), ("a", "b"), "1f1b", 2, (2,), ("tp",), (0, 1), boundary="flat")
+
+
+def test_a_canonical_crossing_is_one_split_on_any_stage_mesh() -> None:
+    """Stage k's device holds chunk k of the value whatever its mesh's shape: every axis
+    splits the first dim the stage's devices divide (nested), or none does."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from autopar.plan import PipelinePlan, canonical_spec
+
+    r, s0, s1 = Replicate(), Shard(0), Shard(1)
+    assert canonical_spec((8, 16, 32), 4, 2) == (s0, s0)
+    assert canonical_spec((2, 16, 32), 4, 2) == (s1, s1)  # 2 rows cannot give 4 devices one
+    assert canonical_spec((3, 5), 4, 2) == (r, r)
+    assert canonical_spec((8,), 1, 2) == (r, r)
+    meshes = ((2, 1), (1, 2))
+    stages = dict(pp=2, stage_cuts=(0, 1), layers=("a", "b"), schedule="1f1b", microbatches=2)
+    axes = dict(stage_mesh=(2, 1), stage_axis_names=("dp", "tp"), rank_of_stage=(0, 1))
+    plan = PipelinePlan(**stages, **axes, boundary="canonical", rank_meshes=meshes)
+    assert plan.mesh_of(1) == (1, 2) and PipelinePlan.from_dict(dataclasses.asdict(plan)) == plan
+    with pytest.raises(ValueError, match="cross 'canonical'"):
+        PipelinePlan(**stages, **axes, rank_meshes=meshes)
+    with pytest.raises(ValueError, match="every rank needs 2 devices"):
+        PipelinePlan(**stages, **axes, boundary="canonical", rank_meshes=((2, 1), (2, 2)))
 
 
 def test_a_scattered_boundary_is_run_where_it_is_faster() -> None:

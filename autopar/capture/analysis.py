@@ -3,6 +3,7 @@
 `layer_order(captured) -> [layer]`: the repeated blocks (`layer_of`) in graph order.
 `batch_dependent(captured) -> {node}`: the nodes computed from the user inputs; the rest
 depends on parameters, buffers and constants only (state, not activations).
+`assign_stages(captured, cuts) -> {node: stage}`: the pipeline stage of every activation.
 """
 
 from __future__ import annotations
@@ -31,3 +32,21 @@ def batch_dependent(captured: Captured) -> set[fx.Node]:
         ):
             out.add(n)
     return out
+
+
+def assign_stages(captured: Captured, cuts: list[int]) -> dict[fx.Node, int]:
+    """Stage of every activation node (call_function depending on a user input)."""
+    layers = layer_order(captured)
+    first_layer = {layer: i for i, layer in enumerate(layers)}
+    stage_of_layer = [sum(1 for c in cuts[1:] if c <= i) for i in range(len(layers))]
+    stages: dict[fx.Node, int] = {}
+    current = 0
+    batch = batch_dependent(captured)
+    for n in captured.gm.graph.nodes:
+        if n.op != "call_function" or n not in batch:
+            continue
+        layer = layer_of(n)
+        if layer is not None:
+            current = stage_of_layer[first_layer[layer]]
+        stages[n] = current
+    return stages

@@ -22,8 +22,7 @@ import torch
 import torch.fx as fx
 
 from autopar.capture import Captured
-from autopar.capture.analysis import batch_dependent, layer_order
-from autopar.capture.export import layer_of
+from autopar.capture.analysis import assign_stages
 
 
 @dataclass
@@ -34,24 +33,6 @@ class StageGraph:
     buffers: list[str]
     inputs: list[str]  # what this stage receives (stage 0: the user inputs)
     outputs: list[str]  # what it sends on; the last stage: ["loss"]
-
-
-def assign_stages(captured: Captured, cuts: list[int]) -> dict[fx.Node, int]:
-    """Stage of every activation node (call_function depending on a user input)."""
-    layers = layer_order(captured)
-    first_layer = {layer: i for i, layer in enumerate(layers)}
-    stage_of_layer = [sum(1 for c in cuts[1:] if c <= i) for i in range(len(layers))]
-    stages: dict[fx.Node, int] = {}
-    current = 0
-    batch = batch_dependent(captured)
-    for n in captured.gm.graph.nodes:
-        if n.op != "call_function" or n not in batch:
-            continue
-        layer = layer_of(n)
-        if layer is not None:
-            current = stage_of_layer[first_layer[layer]]
-        stages[n] = current
-    return stages
 
 
 def split_stages(captured: Captured, cuts: list[int]) -> list[StageGraph]:

@@ -28,6 +28,7 @@ schedule ran, its gradients are summed over the pipeline axis (non-owners add ze
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -43,7 +44,7 @@ from autopar.passes.lower import PlacedInterpreter, _wrap
 from autopar.passes.precision import ParamBoundary
 from autopar.passes.recompute import recompute_activations, recomputed_nodes
 from autopar.passes.stages import StageGraph
-from autopar.plan import MemoryPlan, Plan, parse_spec, scattered_spec
+from autopar.plan import MemoryPlan, Plan, canonical_spec, parse_spec, scattered_spec
 from autopar.runtime.inductor import aot_compiler
 from autopar.runtime.shards import local_chunk, mesh_device
 from autopar.runtime.stage_grads import is_sum_partial
@@ -87,11 +88,13 @@ class StageModule(nn.Module):
             )
         names = stage.params + stage.buffers + stage.inputs
         self._shapes = [global_shape(stage, n) for n in names]
+        received = len(stage.params) + len(stage.buffers) if stage.index > 0 else len(names)
         self._specs = [
-            boundary_spec(plan, n, shape) for n, shape in zip(names, self._shapes, strict=True)
+            boundary_spec(plan, n, shape, crossing=i >= received)
+            for i, (n, shape) in enumerate(zip(names, self._shapes, strict=True))
         ]
         self._out_specs = [
-            None if n == "loss" else boundary_spec(plan, n, global_shape(stage, n))
+            None if n == "loss" else boundary_spec(plan, n, global_shape(stage, n), True)
             for n in stage.outputs
         ]
         self.ready: Callable[[int], None] | None = None  # called with the stage's index
@@ -224,19 +227,28 @@ def _to_local(value, spec, mesh: DeviceMesh) -> torch.Tensor:
     return value.to_local()
 
 
-def boundary_spec(plan: Plan, name: str, shape: tuple[int, ...] | None = None):
+def boundary_spec(
+    plan: Plan, name: str, shape: tuple[int, ...] | None = None, crossing: bool = False
+):
     """How a value crossing a stage boundary (or entering one) is sharded: a model input,
     parameter or buffer as stored; an activation (of global `shape`) as its producer's
     planned output with a Partial reduced (stages exchange complete values), and split
     over the replicated axes too where the plan's pipeline boundary is "scattered"
-    (`plan.scattered_spec`): the sender and the receiver derive the same spec."""
+    (`plan.scattered_spec`): the sender and the receiver derive the same spec. Where the
+    boundary is "canonical", whatever crosses (`crossing`: a stage's output, or what a
+    stage after the first receives, forwarded user inputs too) is split alike on every
+    stage mesh shape (`plan.canonical_spec`)."""
+    pipeline = plan.pipeline
+    if crossing and pipeline is not None and pipeline.boundary == "canonical":
+        assert shape is not None, f"the crossing of '{name}' needs its shape"
+        devices = math.prod(pipeline.stage_mesh)
+        return canonical_spec(shape, devices, len(pipeline.stage_axis_names))
     for t in plan.tensors:
         if t.name == name:
             return parse_spec(t.spec)
     node = plan.node(name)
     spec = parse_spec(node.outputs[0])
     spec = tuple(Replicate() if p.is_partial() else p for p in spec)
-    pipeline = plan.pipeline
     if pipeline is not None and pipeline.boundary == "scattered" and shape is not None:
         return scattered_spec(spec, shape, plan.stage_mesh_shape)
     return spec
@@ -248,7 +260,9 @@ def global_shape(stage: StageGraph, name: str) -> tuple[int, ...]:
     return tuple(node.meta["val"].shape)
 
 
-def _example(stage: StageGraph, plan: Plan, names: list[str], mesh: DeviceMesh):
+def _example(stage: StageGraph, plan: Plan, names: list[str], mesh: DeviceMesh, crossing: bool):
+    """PipelineStage's example of what the stage receives or sends (`crossing`: not the
+    first stage's user inputs)."""
     out = []
     vals = {n.name: n.meta.get("val") for n in stage.gm.graph.nodes}
     for name in names:
@@ -256,7 +270,8 @@ def _example(stage: StageGraph, plan: Plan, names: list[str], mesh: DeviceMesh):
         # this rank's own piece: an uneven split (a microbatch of 3 rows on dp=2) differs
         # from rank to rank, and PipelineStage checks what it receives against the example
         meta = torch.empty(tuple(val.shape), device="meta")
-        shape = local_chunk(meta, boundary_spec(plan, name, tuple(val.shape)), mesh).shape
+        spec = boundary_spec(plan, name, tuple(val.shape), crossing)
+        shape = local_chunk(meta, spec, mesh).shape
         example = torch.zeros(shape, dtype=val.dtype, device=mesh_device(mesh))
         # PipelineStage reads requires_grad off the examples: activations carry gradients
         out.append(example.requires_grad_(val.dtype.is_floating_point))

@@ -52,10 +52,10 @@ class PipelineModel(TrainingSteps):
         self.plan, self.captured, self.world_mesh = plan, captured, world_mesh
         # fp16: dynamic loss scaling (runtime.optimizer)
         self.scaler = LossScaler() if plan.memory.loss_scaling else None
-        self.mesh = world_mesh[plan.stage_axis_names]  # this rank's stage submesh
-        self.device = mesh_device(world_mesh)  # where stage buffers and shards live
         self.pp_group = world_mesh.get_group("pp")
         self.pp_rank = world_mesh.get_local_rank("pp")
+        self.mesh = _stage_mesh(world_mesh, plan, self.pp_rank)  # this rank's stage submesh
+        self.device = mesh_device(world_mesh)  # where stage buffers and shards live
         pp = world_mesh.size(0)
         graphs = split_stages(captured, list(plan.stage_cuts))
         owners = stage_ranks(plan.schedule, pp)
@@ -86,7 +86,7 @@ class PipelineModel(TrainingSteps):
             self._pipeline_stage(graphs[s], m, len(graphs)) for s, m in self.modules.items()
         ]
         rows = _captured_rows(captured)
-        _check_microbatch_rows(plan, captured, self.mesh, smaller)
+        _check_microbatch_rows(plan, captured, smaller)
         count = plan.microbatches - (smaller.count if smaller is not None else 0)
         self.runs = [_Run(_make_schedule(plan, self.stages, self._loss, count), count, rows)]
         if smaller is not None:  # uneven microbatches: the smaller ones' own programs
@@ -105,8 +105,8 @@ class PipelineModel(TrainingSteps):
             graph.index,
             num,
             self.device,
-            input_args=_example(graph, self.plan, graph.inputs, self.mesh),
-            output_args=_example(graph, self.plan, graph.outputs, self.mesh)
+            input_args=_example(graph, self.plan, graph.inputs, self.mesh, graph.index > 0),
+            output_args=_example(graph, self.plan, graph.outputs, self.mesh, True)
             if graph.outputs != ["loss"]
             else torch.zeros((), device=self.device),
             group=self.pp_group,
@@ -292,7 +292,11 @@ class PipelineModel(TrainingSteps):
         return torch.cat([local_chunk(c, spec, self.mesh) for c in chunks])
 
     def _sync_tied_grads(self) -> None:
+        """A parameter read by several stages: their gradients summed over the pipeline
+        axis (non-holders add zeros), as local shards, or where the pipeline ranks' stage
+        meshes differ in shape (whose shards differ), as whole gradients."""
         tensors = {t.name: t for t in self.plan.tensors}
+        whole = len(set(self.plan.pipeline.rank_meshes)) > 1
         for name in self._tied:
             held = [
                 p
@@ -302,14 +306,16 @@ class PipelineModel(TrainingSteps):
             ]
             grads = [p.grad for p in held if p.grad is not None]
             total = torch.stack(grads).sum(0) if grads else None
+            spec, shape = parse_spec(tensors[name].spec), tensors[name].shape
             if total is None:
-                shape = local_chunk(
-                    torch.empty(tensors[name].shape, device="meta"),
-                    parse_spec(tensors[name].spec),
-                    self.mesh,
-                ).shape
-                total = torch.zeros(shape, dtype=self._grad_dtype(), device=self.device)
+                meta = torch.empty(shape, device="meta")
+                local = shape if whole else local_chunk(meta, spec, self.mesh).shape
+                total = torch.zeros(local, dtype=self._grad_dtype(), device=self.device)
+            elif whole:
+                total = gather_full(total, spec, self.mesh, shape)
             dist.all_reduce(total, group=self.pp_group)
+            if whole:
+                total = local_chunk(total, spec, self.mesh)
             for p in held:
                 p.grad = total.clone()
 
@@ -401,21 +407,37 @@ class SmallerMicrobatches:
     count: int
 
 
-def _check_microbatch_rows(plan: Plan, captured: Captured, mesh: DeviceMesh, smaller) -> None:
+def _check_microbatch_rows(plan: Plan, captured: Captured, smaller) -> None:
     """Every rank's piece of every microbatch holds a row (torch's schedules cannot split
-    an empty one): else a ValueError on every rank alike, before any collective."""
+    an empty one): else a ValueError on every rank alike, before any collective (the
+    first stage's mesh cuts the batch)."""
     rows = _captured_rows(smaller.captured) if smaller is not None else _captured_rows(captured)
+    shape, names = plan.pipeline.mesh_of(0), plan.stage_axis_names
     for name in captured.user_inputs:
         spec = boundary_spec(plan, name)
         axes = [a for a, p in enumerate(spec) if isinstance(p, Shard) and p.dim == 0]
-        ranks = math.prod(mesh.size(a) for a in axes)
+        ranks = math.prod(shape[a] for a in axes)
         if rows < ranks:
             most = max(rows * plan.microbatches // ranks, 1)
             raise ValueError(
                 f"microbatches of {rows} row(s) cannot give each of the {ranks} ranks that "
-                f"split the batch ('{name}' over {[mesh.mesh_dim_names[a] for a in axes]}) a "
+                f"split the batch ('{name}' over {[names[a] for a in axes]}) a "
                 f"row; use at most {most} microbatches, or a larger batch"
             )
+
+
+def _stage_mesh(world_mesh: DeviceMesh, plan: Plan, pp_rank: int) -> DeviceMesh:
+    """This pipeline rank's stage submesh. Where the ranks' stage meshes differ in shape
+    (`PipelinePlan.rank_meshes`), every process builds the world mesh of each shape (its
+    groups are made collectively), in one order, and takes its own rank's."""
+    pipeline, names = plan.pipeline, plan.stage_axis_names
+    if len(set(pipeline.rank_meshes)) <= 1:
+        return world_mesh[names]
+    meshes = {}
+    for shape in sorted(set(pipeline.rank_meshes)):
+        ranks = world_mesh.mesh.reshape(pipeline.pp, *shape)
+        meshes[shape] = DeviceMesh(world_mesh.device_type, ranks, mesh_dim_names=("pp", *names))
+    return meshes[pipeline.mesh_of(pp_rank)][names]  # the submesh holding this process
 
 
 @dataclass(frozen=True)

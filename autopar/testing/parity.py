@@ -65,6 +65,9 @@ class ParityCase:
     shard_gradients: bool = False
     placements: tuple[tuple[str, str], ...] = ()  # pinned (parameter, spec) pairs
     boundary: str | None = None  # a pipeline's boundary pinned on the searched plan
+    # per pipeline rank, its stage mesh's shape (`PipelinePlan.rank_meshes`): the plans
+    # searched on each shape (`mesh` = ("pp", *rank 0's)) merged (`search.stage_meshes`)
+    rank_meshes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def label(self) -> str:
@@ -83,6 +86,7 @@ class ParityCase:
         zero = 2 if self.shard_gradients else 1 if self.shard_optimizer else 0
         label += "-pinned" if self.placements else ""
         label += f"-{self.boundary}" if self.boundary else ""
+        label += "".join(f"-r{'x'.join(map(str, m))}" for m in self.rank_meshes)
         return label + (f"-zero{zero}" if zero else "")
 
 
@@ -167,6 +171,7 @@ def rank_results(cases: list[dict]) -> list[dict]:
             **{
                 **raw,
                 "mesh": tuple(raw["mesh"]),
+                "rank_meshes": tuple(tuple(m) for m in raw.get("rank_meshes", ())),
                 "axis_names": tuple(raw["axis_names"]),
                 "strategy": raw["strategy"]
                 if isinstance(raw["strategy"], str)
@@ -376,6 +381,8 @@ def _compiled(case: ParityCase, model, batch, plans: dict):
     import autopar
 
     cluster = autopar.Cluster.local(mesh=case.mesh, axis_names=case.axis_names)
+    if case.rank_meshes:
+        return _on_rank_meshes(case, model, batch)
     base = dataclasses.replace(case, memory=None, boundary=None)
     pinned = case.memory is not None or case.boundary is not None
     plan = plans.get(base) if pinned else None
@@ -404,6 +411,36 @@ def _compiled(case: ParityCase, model, batch, plans: dict):
     if case.boundary is not None:
         pipeline = dataclasses.replace(plan.pipeline, boundary=case.boundary)
         plan = dataclasses.replace(plan, pipeline=pipeline)
+    return autopar.compile(
+        model, batch, cluster=cluster, plan=plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR)
+    )
+
+
+def _on_rank_meshes(case: ParityCase, model, batch):
+    """`case`'s pipeline with each rank on its stage mesh shape: planned on each shape
+    (the first's cuts pinned on the others), merged, compiled."""
+    import autopar
+    from autopar.search.stage_meshes import merged_plan
+
+    plans, cuts, pm = {}, None, None
+    for shape in dict.fromkeys(case.rank_meshes):
+        mesh = (case.mesh[0], *shape)
+        pm = autopar.compile(
+            model,
+            batch,
+            cluster=autopar.Cluster.local(mesh=mesh, axis_names=case.axis_names),
+            strategy=case.strategy,
+            schedule=case.schedule,
+            microbatches=case.microbatches,
+            stage_cuts=cuts,
+        )
+        plans[shape] = pm.plan
+        cuts = pm.plan.stage_cuts
+    pipeline = dataclasses.replace(
+        plans[case.rank_meshes[0]].pipeline, rank_meshes=case.rank_meshes, boundary="canonical"
+    )
+    plan = merged_plan(pm.captured, plans, pipeline)
+    cluster = autopar.Cluster.local(mesh=case.mesh, axis_names=case.axis_names)
     return autopar.compile(
         model, batch, cluster=cluster, plan=plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR)
     )
