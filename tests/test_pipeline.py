@@ -310,13 +310,8 @@ def test_stages_are_priced_with_the_communication_pass() -> None:
     from dataclasses import replace
 
     from autopar.plan import DEFAULT_COMM, SCHEDULES
-    from autopar.search.inter_op import (
-        Dominated,
-        _price_schedules,
-        layer_costs,
-        price_schedule,
-        reduced_per_step,
-    )
+    from autopar.search.inter_op import Dominated, _price_schedules, price_schedule
+    from autopar.search.layer_costs import layer_costs, reduced_per_step
 
     model, job, captured, (result, best, _) = _solved_gpt_pipeline("dp", "fsdp")
     assert result.comm == DEFAULT_COMM and result.info["comm_pass"]
@@ -370,7 +365,8 @@ def _synthetic(grads=(), layer_forward: float | None = None, pre: float = 0.0):
     from autopar.cost_models.buckets import collective_times
     from autopar.plan import DEFAULT_COMM
     from autopar.search.crossing import Crossing
-    from autopar.search.inter_op import LayerCosts, PartCost, stage_cluster
+    from autopar.search.inter_op import stage_cluster
+    from autopar.search.layer_costs import LayerCosts, PartCost
     from autopar.search.step import Part
 
     cluster = Cluster.preset("cpu", mesh=(2, 2), axis_names=("pp", "dp"))
@@ -401,7 +397,8 @@ def test_fsdp_gradients_are_reduced_in_every_microbatch() -> None:
     from dataclasses import replace
 
     from autopar.cost_models.buckets import fused_copies, fused_time
-    from autopar.search.inter_op import price_schedule, reduced_per_step, stage_cluster, stage_time
+    from autopar.search.inter_op import price_schedule, stage_cluster
+    from autopar.search.layer_costs import reduced_per_step, stage_time
 
     scatter = [(("rs",), "reduce_scatter", 0, 2**22)]
     reduce = [(("ar",), "all_reduce", 0, 2**22)]
@@ -478,7 +475,8 @@ def test_stage_cuts_balance_the_overlapped_stage_times() -> None:
     collectives waited at once: here those would put two layers on the first stage."""
     from itertools import combinations
 
-    from autopar.search.inter_op import _stage_parts, price_schedule, stage_cluster, stage_time
+    from autopar.search.inter_op import price_schedule, stage_cluster
+    from autopar.search.layer_costs import stage_parts, stage_time
 
     costs, cluster, _ = _synthetic(pre=3.5)
     sub = stage_cluster(cluster)
@@ -487,7 +485,7 @@ def test_stage_cuts_balance_the_overlapped_stage_times() -> None:
     assert balanced_cuts(weights, 2) == (0, 2)  # by the collectives waited at once
 
     def slowest(cuts):
-        return max(stage_time(p, sub, costs.comm) for p in _stage_parts(costs, cuts))
+        return max(stage_time(p, sub, costs.comm) for p in stage_parts(costs, cuts))
 
     priced = price_schedule(costs, "gpipe", 2, 4, cluster)
     assert priced.cuts == (0, 1)
@@ -495,7 +493,7 @@ def test_stage_cuts_balance_the_overlapped_stage_times() -> None:
     assert slowest(priced.cuts) == min(slowest(c) for c in every)
     assert slowest((0, 1)) < slowest((0, 2))
     assert list(priced.stage_times) == [
-        stage_time(p, sub, costs.comm) for p in _stage_parts(costs, (0, 1))
+        stage_time(p, sub, costs.comm) for p in stage_parts(costs, (0, 1))
     ]
 
 
@@ -514,8 +512,9 @@ def test_gathers_prefetch_in_issue_order() -> None:
     from autopar.cluster import Cluster
     from autopar.plan import DEFAULT_COMM
     from autopar.planning import fake_group
-    from autopar.search.inter_op import PartCost, stage_cluster, stage_time
+    from autopar.search.inter_op import stage_cluster
     from autopar.search.intra_op import solve_intra
+    from autopar.search.layer_costs import PartCost, stage_time
     from autopar.search.pins import SearchOptions
     from autopar.search.step import program_parts
     from samples import get_sample
@@ -614,7 +613,7 @@ def test_the_residual_stream_crossing_is_priced_both_ways() -> None:
     """Stages holding TP with the residual stream replicated over tp: scattered, each rank
     sends half of it, and the receiving stage's layer gathers it back (an all-gather more
     in its forward) where placed it sent the whole."""
-    from autopar.search.inter_op import layer_costs
+    from autopar.search.layer_costs import layer_costs
 
     model, _, captured, (result, _, _) = _solved_gpt_pipeline("tp", "tp")
     crossing = layer_costs(captured, result).crossing

@@ -61,7 +61,7 @@ len(buckets) collectives (latency once per bucket); a bucket's time overlaps the
 compute after its last gradient; the last bucket is exposed. Memory (`search.liveness`):
 a bucket's gradients live until it closes, its flat input beside them at the
 concatenation; a layer's fused gather makes all its members when the first is needed.
-A pipeline stage (`search.inter_op.stage_time`): each microbatch's programs priced as
+A pipeline stage (`search.layer_costs.stage_time`): each microbatch's programs priced as
 `search.step` prices a step, an fsdp stage's gradient reduce-scatters (every microbatch's
 backward) bucketed behind the backward; replicated parameters' all-reduces once per step
 from the stage's last backward (`runtime.stage_grads.GradientSync`). Not priced: a
