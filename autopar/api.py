@@ -43,6 +43,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     microbatches: int | None = None,
     schedule: str | None = None,
     stage_cuts: Sequence[int] | None = None,
+    stage_meshes: Sequence[Sequence[int]] | None = None,
     fusion: str = "none",
     mixed_precision: str | None = None,
     reduce_dtype: str = "float32",
@@ -63,7 +64,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     `pipeline_stages=1` turns pipelining off, `"auto"` searches the layout whatever the
     mesh. `microbatches`, `schedule` (gpipe, 1f1b, interleaved1f1b, interleavedzb, zbv,
     dualpipev) and `stage_cuts` (first layer of each stage) pin what the search would
-    choose. A searched layout runs on the plan's mesh (`plan.mesh_shape`), not the cluster's.
+    choose; `stage_meshes` (per pipeline rank, its stage mesh's shape, the same devices in
+    another (dp, tp) layout) pins each rank's. A searched layout runs on the plan's mesh (`plan.mesh_shape`), not the cluster's.
     `fusion="triton"` swaps matched regions (residual add + LayerNorm/RMSNorm, SwiGLU,
     bias + GELU, head matmul + cross-entropy) for autopar's Triton kernels; without a GPU
     they run only under TRITON_INTERPRET=1.
@@ -88,6 +90,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
         microbatches=microbatches,
         schedule=schedule,
         stage_cuts=stage_cuts,
+        stage_meshes=stage_meshes,
         fusion=fusion,
         mixed_precision=mixed_precision,
         reduce_dtype=reduce_dtype,
@@ -125,6 +128,7 @@ def plan(
     microbatches: int | None = None,
     schedule: str | None = None,
     stage_cuts: Sequence[int] | None = None,
+    stage_meshes: Sequence[Sequence[int]] | None = None,
     fusion: str = "none",
     shard_optimizer: bool = False,
     shard_gradients: bool = False,
@@ -143,7 +147,7 @@ def plan(
     the stage cuts, every stage's (dp, tp) mesh, the microbatch count and the schedule,
     `autopar.search.layouts`) when nothing pins the mesh (`autopar.planning.searches_layout`);
     `pipeline_stages=1` turns pipelining off, an int pins the degree, "auto" searches the
-    layout on any cluster; `microbatches=` and `schedule=` pin those.
+    layout on any cluster; `microbatches=`, `schedule=` and `stage_meshes=` pin those.
     The options are those of `autopar.options.PlanOptions`."""
     options = PlanOptions(
         strategy=strategy,
@@ -154,6 +158,7 @@ def plan(
         microbatches=microbatches,
         schedule=schedule,
         stage_cuts=stage_cuts,
+        stage_meshes=stage_meshes,
         fusion=fusion,
         shard_optimizer=shard_optimizer,
         shard_gradients=shard_gradients,

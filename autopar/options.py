@@ -22,6 +22,8 @@ fusion mode. Pins left at their default are searched (`strategy="auto"`, no `pla
     microbatches     microbatches per step when pipelining (default: 2 x stages, or less)
     schedule         a pipeline schedule (`autopar.plan.SCHEDULES`; default: searched)
     stage_cuts       the first layer of each stage, 0 first, increasing (default: balanced)
+    stage_meshes     per pipeline rank, the shape of its stage mesh, e.g. ((2, 1), (1, 2)):
+                     the same devices laid out as another (dp, tp) (default: the mesh's)
     fusion           "none", "triton" (autopar's kernels) or "inductor" (torch.compile)
     shard_optimizer  ZeRO-1: optimizer state (and fp32 master) split over each parameter's
                      replicas, gradients reduce-scattered, parameters all-gathered
@@ -59,6 +61,7 @@ class PlanOptions:
     microbatches: int | None = None
     schedule: str | None = None
     stage_cuts: tuple[int, ...] | None = None
+    stage_meshes: tuple[tuple[int, ...], ...] | None = None
     fusion: str = "none"
     shard_optimizer: bool = False
     shard_gradients: bool = False
@@ -73,6 +76,8 @@ class PlanOptions:
             object.__setattr__(self, "strategy", tuple(self.strategy))
         if self.stage_cuts is not None and isinstance(self.stage_cuts, Sequence):
             object.__setattr__(self, "stage_cuts", tuple(self.stage_cuts))
+        if self.stage_meshes is not None:
+            object.__setattr__(self, "stage_meshes", _shapes(self.stage_meshes))
         object.__setattr__(self, "placements", dict(self._checked_placements()))
         self._check_strategy()
         self._check_limits()
@@ -190,6 +195,11 @@ class PlanOptions:
                 f"schedule={self.schedule!r}: choose one of {', '.join(SCHEDULES)}, "
                 "or None to search them all"
             )
+        if self.stage_meshes is not None and self.searches_layout:
+            raise ValueError(
+                "stage_meshes pins every pipeline rank's stage mesh, but "
+                "pipeline_stages='auto' searches the degree; give pipeline_stages=<n>"
+            )
         cuts = self.stage_cuts
         if cuts is None:
             return
@@ -209,6 +219,20 @@ class PlanOptions:
                 "stage_cuts pins the stages of one pipeline degree, but pipeline_stages='auto' "
                 "searches the degree; give pipeline_stages=<n> with stage_cuts, or drop them"
             )
+
+
+def _shapes(meshes: object) -> tuple[tuple[int, ...], ...]:
+    """`stage_meshes` as a tuple of shapes of positive ints, else a ValueError."""
+    try:
+        shapes = tuple(tuple(int(n) for n in m) for m in meshes)
+    except (TypeError, ValueError):
+        shapes = ()
+    if not shapes or any(not m or min(m) < 1 for m in shapes):
+        raise ValueError(
+            f"stage_meshes={meshes!r}: give one stage mesh shape per pipeline rank, e.g. "
+            "((2, 1), (1, 2)) for two ranks of two devices as dp x tp 2 x 1 and 1 x 2"
+        )
+    return shapes
 
 
 def _positive(x: object) -> bool:

@@ -430,6 +430,14 @@ class Plan:
     def microbatches(self) -> int:
         return self.pipeline.microbatches if self.pipeline else 1
 
+    def on_rank(self, rank: int) -> Plan:
+        """The plan as pipeline rank `rank` reads it: `stage_mesh_shape` its stage mesh's
+        (`PipelinePlan.rank_meshes`)."""
+        p = self.pipeline
+        if p is None or not p.rank_meshes or p.mesh_of(rank) == p.stage_mesh:
+            return self
+        return replace(self, pipeline=replace(p, stage_mesh=p.mesh_of(rank)))
+
     def node(self, name: str) -> NodePlan:
         return self._node_index()[name]
 

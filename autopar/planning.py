@@ -94,7 +94,13 @@ class PlanJob:
                     f"pipeline ranks runs {want} stages; give {want} cuts"
                 )
         uneven = rows if rows % m else None
-        return cls(cluster, options, PipelineOptions(m, schedule, cuts, uneven), fusion)
+        meshes = _stage_meshes(options, cluster) if plan is None else ()
+        if meshes and meshes[0] != cluster.mesh_shape[1:]:  # the plan's mesh: rank 0's shape
+            cluster = cluster.reshaped((pp, *meshes[0]), cluster.axis_names)
+        if len(set(meshes)) == 1:  # every rank on one shape: a uniform pipeline on it
+            meshes = ()
+        pipeline = PipelineOptions(m, schedule, cuts, uneven, rank_meshes=meshes)
+        return cls(cluster, options, pipeline, fusion)
 
     def capture_batch(self, batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Pipelined graphs are captured on one microbatch (the shapes each stage runs)."""
@@ -288,6 +294,24 @@ def in_compute_dtype(
     return copy_, cast
 
 
+def _stage_meshes(options: PlanOptions, cluster: Cluster) -> tuple[tuple[int, ...], ...]:
+    """`options.stage_meshes` checked against the pipelined cluster (one per pipeline
+    rank, each as many devices on as many axes as the cluster's stage mesh); () when
+    not given."""
+    meshes = options.stage_meshes
+    if meshes is None:
+        return ()
+    pp, stage = cluster.mesh_shape[0], cluster.mesh_shape[1:]
+    names = cluster.axis_names[1:]
+    wrong = [m for m in meshes if len(m) != len(stage) or math.prod(m) != math.prod(stage)]
+    if len(meshes) != pp or wrong:
+        raise ValueError(
+            f"stage_meshes={meshes}: give {pp} shapes (one per pipeline rank), each "
+            f"{math.prod(stage)} devices on the stage axes {names}, e.g. {(stage,) * pp}"
+        )
+    return meshes
+
+
 def searches_layout(options: PlanOptions, cluster: Cluster) -> bool:
     """Whether the call searches the layout (pipeline degree, stage cuts, stage mesh,
     microbatches, schedule): with `pipeline_stages="auto"`, and by default when nothing
@@ -300,6 +324,7 @@ def searches_layout(options: PlanOptions, cluster: Cluster) -> bool:
     return (
         options.pipeline_stages is None
         and options.stage_cuts is None
+        and options.stage_meshes is None
         and not options.placements
         and options.strategy == "auto"
         and cluster.world_size > 1
@@ -393,6 +418,7 @@ def plan_layout(
                 pipeline_stages=layout.pp,  # 1: no pipeline, or accumulation ("pp" of 1)
                 microbatches=layout.microbatches if layout.pp > 1 or layout.accumulates else None,
                 schedule=layout.schedule,
+                stage_meshes=layout.rank_meshes or None,
             ),
             template=found.template_for(layout, batch[0].shape[0]),
         )

@@ -310,7 +310,7 @@ def test_stages_are_priced_with_the_communication_pass() -> None:
     from dataclasses import replace
 
     from autopar.plan import DEFAULT_COMM, SCHEDULES
-    from autopar.search.inter_op import Dominated, _price_schedules, price_schedule
+    from autopar.search.inter_op import Dominated, price_schedule, price_schedules
     from autopar.search.layer_costs import layer_costs, reduced_per_step
 
     model, job, captured, (result, best, _) = _solved_gpt_pipeline("dp", "fsdp")
@@ -327,12 +327,12 @@ def test_stages_are_priced_with_the_communication_pass() -> None:
     assert scatters and all(g in costs.parts[0].program[0].grads for g in scatters)
     # the layout search's prune: the stages' work bounds every schedule's step from below
     every = replace(job.pipeline, schedule=None)
-    priced, _, _ = _price_schedules(costs, list(SCHEDULES), 2, job.cluster, every, math.inf)
+    priced, _, _ = price_schedules(costs, list(SCHEDULES), 2, job.cluster, every, math.inf)
     fastest = min(p.step_time for p in priced)
     assert len(priced) >= 4
-    _price_schedules(costs, list(SCHEDULES), 2, job.cluster, replace(every, bar=fastest), math.inf)
+    price_schedules(costs, list(SCHEDULES), 2, job.cluster, replace(every, bar=fastest), math.inf)
     with pytest.raises(Dominated):
-        _price_schedules(costs, ["1f1b"], 2, job.cluster, replace(every, bar=fastest / 2), math.inf)
+        price_schedules(costs, ["1f1b"], 2, job.cluster, replace(every, bar=fastest / 2), math.inf)
 
 
 def test_step_text_says_what_a_pipelined_step_is_made_of() -> None:

@@ -58,8 +58,8 @@ from autopar.search.layer_costs import (
     LayerCosts,
     StageSpans,
     layer_costs,
+    layer_range,
     reduced_per_step,
-    stage_parts,
     stage_time,
 )
 from autopar.search.pins import SearchOptions
@@ -82,6 +82,8 @@ class PipelineOptions:
     stage_cuts: tuple[int, ...] | None = None  # None: balanced by cost
     rows: int | None = None  # the batch's; None: the microbatch count divides it
     bar: float = math.inf  # the layout search's best step: schedules that cannot beat it
+    # per pipeline rank, its stage mesh's shape where they differ (`search.stage_meshes`)
+    rank_meshes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def groups(self) -> tuple[int, ...]:
@@ -127,18 +129,21 @@ class PricedSchedule:
 
 
 def price_schedule(
-    lc: LayerCosts,
+    lc: LayerCosts | tuple[LayerCosts, ...],
     schedule: str,
     pp: int,
     microbatches: int | tuple[int, ...],
     cluster: Cluster,
     cuts: tuple[int, ...] | None = None,
-    span: StageSpans | None = None,
+    spans: dict[int, StageSpans] | None = None,
 ) -> PricedSchedule:
-    """`microbatches`: a count, or the counts of `PipelineOptions.groups` (every
-    microbatch priced at the captured, largest one's costs). `span`: `StageSpans(lc,
-    stage_cluster(cluster))`, shared by the schedules priced on the same costs (its
-    memo of stage prices is most of what cutting the stages costs)."""
+    """`lc`: the layers' costs on the stage mesh, or one per pipeline rank, each on the
+    stage mesh of its rank (`LayerCosts.stage`; ranks of different shapes exchange their
+    activations "canonical", `search.stage_meshes`). `microbatches`: a count, or the
+    counts of `PipelineOptions.groups` (every microbatch priced at the captured, largest
+    one's costs). `spans`: `StageSpans` by `id` of their costs, shared by the schedules
+    priced on the same costs (its memo of stage prices is most of what cutting the stages
+    costs)."""
     virtual = SCHEDULES[schedule]
     num = pp * virtual
     if cuts is not None and len(cuts) != num:
@@ -146,38 +151,50 @@ def price_schedule(
             f"stage_cuts has {len(cuts)} entries but {schedule} on {pp} pipeline ranks "
             f"runs {num} stages"
         )
-    sub = stage_cluster(cluster)  # the mesh axes of the stage programs' collectives
-    if cuts is None:
-        cuts = balanced_cuts(lc.time, num, prices=(span or StageSpans(lc, sub)).prices())
-    stages = stage_parts(lc, cuts)
     ranks = stage_ranks(schedule, pp)
+    per_rank = lc if isinstance(lc, tuple) else (lc,) * pp
+    costs = [per_rank[r] for r in ranks]  # per stage
+    subs = [c.stage or stage_cluster(cluster) for c in costs]  # its collectives' mesh axes
+    if cuts is None:
+        spans = {} if spans is None else spans
+        for c, sub in zip(costs, subs, strict=True):
+            spans.setdefault(id(c), StageSpans(c, sub))
+        tables = [spans[id(c)].prices() for c in costs]
+        cuts = balanced_cuts(costs[0].time, num, prices=tables)
+    bounds = [*cuts, len(costs[0].layers)]
+    stages = [layer_range(costs[s], bounds[s], bounds[s + 1]) for s in range(num)]
+    times = [stage_time(p, subs[s], costs[s].comm) for s, p in enumerate(stages)]
+    run = (costs, subs, schedule, pp, microbatches, cluster, cuts, stages, times, ranks)
+    if len({id(c) for c in per_rank}) > 1:
+        return _simulated(*run, boundary="canonical")
     between = sum(ranks[s] != ranks[s + 1] for s in range(num - 1))  # from rank to rank
-    times = [stage_time(p, sub, lc.comm) for p in stages]
-    run = (lc, schedule, pp, microbatches, cluster, cuts, stages, times, ranks)
-    placed = _simulated(*run, scattered=False)
-    if not (lc.crossing.can_scatter and between):
+    placed = _simulated(*run, boundary="placed")
+    if not (costs[0].crossing.can_scatter and between):
         return placed
-    return min(placed, _simulated(*run, scattered=True), key=lambda p: p.step_time)
+    return min(placed, _simulated(*run, boundary="scattered"), key=lambda p: p.step_time)
 
 
-def _simulated(lc, schedule, pp, microbatches, cluster, cuts, stages, times, ranks, scattered):
-    """The schedule's timeline and step on `stages` (a microbatch's `times` each), its
-    activations placed or scattered (`search.crossing`: smaller messages between ranks,
-    redistributions on every stage boundary, receiving and sending)."""
-    num, sub, cross = len(stages), stage_cluster(cluster), lc.crossing
+def _simulated(
+    costs, subs, schedule, pp, microbatches, cluster, cuts, stages, times, ranks, boundary
+):
+    """The schedule's timeline and step on `stages` (a microbatch's `times` each, on the
+    stage meshes `subs`, their layers priced by `costs`), its activations crossing the
+    `boundary` way (`search.crossing`: smaller messages between ranks where scattered or
+    canonical, redistributions on every stage boundary, receiving and sending)."""
+    num = len(stages)
     link = cluster.links[cluster.axis_names.index("pp")]
-    p2p = send_recv_time(cross.scattered_bytes if scattered else cross.placed_bytes, link)
+    p2p = send_recv_time(costs[0].crossing.sent(boundary), link)
     times = list(times)
     fwd, bwd = [t / 3 for t in times], [2 * t / 3 for t in times]
-    if scattered:  # a stage receives (all but the first) and sends (all but the last)
-        for s in range(num):
-            for adds, on in ((cross.receive, s > 0), (cross.send, s < num - 1)):
-                fwd[s], bwd[s] = fwd[s] + adds[0] * on, bwd[s] + adds[1] * on
-                times[s] += sum(adds) * on
+    for s in range(num):  # a stage receives (all but the first) and sends (all but the last)
+        receive, send = costs[s].crossing.adds(boundary)
+        for adds, on in ((receive, s > 0), (send, s < num - 1)):
+            fwd[s], bwd[s] = fwd[s] + adds[0] * on, bwd[s] + adds[1] * on
+            times[s] += sum(adds) * on
     grads = [[g for g in p.grads if reduced_per_step(g)] for p in stages]
     ready = None
-    if lc.zero:  # reduce-scatters; the parameters' all-gathers before each stage's forward
-        ready = _gathered(grads, ranks, lc.zero, sub)
+    if costs[0].zero:  # reduce-scatters; the parameters' all-gathers before each stage's forward
+        ready = _gathered(grads, ranks, [c.zero for c in costs], subs)
         grads = [[(k, Collective.REDUCE_SCATTER, a, b) for k, _, a, b in gs] for gs in grads]
     tl = simulate(
         schedule,
@@ -195,26 +212,26 @@ def _simulated(lc, schedule, pp, microbatches, cluster, cuts, stages, times, ran
         own = [s for s in range(num) if ranks[s] == r]
         mine = [stages[s] for s in own]
         peak.append(sum(p.state for p in mine) + max(p.act for p in mine) * tl.in_flight[r])
-        syncs = [fused_time(grads[s], sub) for s in own]
-        overlap = sub.device.overlap_efficiency
+        syncs = [fused_time(grads[s], subs[s]) for s in own]
+        overlap = subs[own[0]].device.overlap_efficiency
         done = synced_end(tl.ends[r], [tl.grads_done[s] for s in own], syncs, overlap)
-        copies = sum(fused_copies(grads[s], sub, back=lc.cast_back) for s in own)  # flat buffers
+        # the flat buffers' copies
+        copies = sum(fused_copies(grads[s], subs[s], back=costs[s].cast_back) for s in own)
         finish.append(done + copies + sum(p.update for p in mine))  # then its optimizer step
     step = max(finish)
-    boundary = "scattered" if scattered else "placed"
     sync = step - tl.step_time
     return PricedSchedule(schedule, cuts, tl, max(peak), step, tuple(times), sync, boundary)
 
 
-def _gathered(grads: list[list[Grad]], ranks: list[int], ratio: float, sub) -> list[float]:
+def _gathered(grads: list[list[Grad]], ranks: list[int], ratios: list[float], subs) -> list[float]:
     """ZeRO: when each stage's parameters are gathered (`runtime.optimizer.ParamGather`):
     a rank issues one all-gather per stage and axis (`step.zero_gathers`) in stage order
     on its channel at the step's start (right after the previous optimizer step)."""
     ready, channel = [0.0] * len(grads), dict.fromkeys(ranks, 0.0)
     for s, gs in enumerate(grads):
-        gathers = zero_gathers(gs, ratio)
-        channel[ranks[s]] += fused_time(gathers, sub)
-        ready[s] = channel[ranks[s]] + fused_copies(gathers, sub)  # copied out, then read
+        gathers = zero_gathers(gs, ratios[s])
+        channel[ranks[s]] += fused_time(gathers, subs[s])
+        ready[s] = channel[ranks[s]] + fused_copies(gathers, subs[s])  # copied out, then read
     return ready
 
 
@@ -239,13 +256,13 @@ def solve_pipeline(
     stand for `total_layers` (see `CostWeights`). Raises ValueError when none fits."""
     pp = cluster.axis_size("pp")
     limit = options.memory_limit or cluster.device.memory_bytes * 0.9
-    options, weights, ilp_limit = _stage_ilp(cluster, options, pipeline, layers)
+    options, weights, ilp_limit = stage_ilp(cluster, options, pipeline, layers)
     candidates = [pipeline.schedule] if pipeline.schedule else list(SCHEDULES)
     result = solve_intra(captured, stage_cluster(cluster), stage_mesh, options, weights, ilp_limit)
     with_comm(result)
     for attempt in range(_RETRIES + 1):
         lc = layer_costs(captured, result).repeated(total_layers or 0)
-        priced, failures, least = _price_schedules(lc, candidates, pp, cluster, pipeline, limit)
+        priced, failures, least = price_schedules(lc, candidates, pp, cluster, pipeline, limit)
         if priced or attempt == _RETRIES or not math.isfinite(least):
             break
         # the ranks need `least`: ask the ILP for proportionally less (recompute, reshard,
@@ -269,11 +286,11 @@ _RETRIES = 2  # ILP re-solves under a tighter budget when no schedule fits
 
 def prepare_pipeline(captured, cluster, stage_mesh, options, pipeline, layers=None) -> None:
     """`intra_op.prepare_intra` of `solve_pipeline`'s first ILP (`search.ahead`)."""
-    options, weights, ilp_limit = _stage_ilp(cluster, options, pipeline, layers)
+    options, weights, ilp_limit = stage_ilp(cluster, options, pipeline, layers)
     prepare_intra(captured, stage_cluster(cluster), stage_mesh, options, weights, ilp_limit)
 
 
-def _stage_ilp(cluster: Cluster, options, pipeline: PipelineOptions, layers):
+def stage_ilp(cluster: Cluster, options, pipeline: PipelineOptions, layers):
     """(options, weights, memory limit) of a pipeline's stage ILP: every rank's budget
     summed (the ILP prices 1/pp of the layers per rank, `pipeline_weights`)."""
     pp = cluster.axis_size("pp")
@@ -295,19 +312,22 @@ def with_comm(result: IntraOpResult) -> None:
     result.info["comm_pass"] = result.comm is not None
 
 
-def _price_schedules(lc, candidates, pp, cluster, pipeline, limit):
+def price_schedules(lc, candidates, pp, cluster, pipeline, limit):
     """(schedules that fit, why the others do not, the least peak of those priced)."""
     priced: list[PricedSchedule] = []
     failures, least = [], math.inf
-    span = StageSpans(lc, stage_cluster(cluster))
+    per_rank = lc if isinstance(lc, tuple) else (lc,)
+    spans = {id(c): StageSpans(c, c.stage or stage_cluster(cluster)) for c in per_rank}
     # each rank runs its stages for every microbatch back to back (DualPipeV's pairs too), a
     # stage's time at least its share of the whole's (first gathers, last buckets add up)
-    bound = pipeline.microbatches * span(0, len(lc.layers)) / pp
+    # (ranks on meshes of different shapes: no such bound, each rank's stages on its own)
+    (span,) = spans.values() if len(spans) == 1 else (None,)
+    bound = pipeline.microbatches * span(0, len(span.lc.layers)) / pp if span else 0.0
     if bound >= pipeline.bar:
         raise Dominated(f"work bound {bound:.4g} s >= best {pipeline.bar:.4g} s")
     for sched in candidates:
         try:
-            p = price_schedule(lc, sched, pp, pipeline.groups, cluster, pipeline.stage_cuts, span)
+            p = price_schedule(lc, sched, pp, pipeline.groups, cluster, pipeline.stage_cuts, spans)
         except ValueError as exc:
             failures.append(f"{sched}: {exc}")
             continue

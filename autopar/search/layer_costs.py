@@ -81,6 +81,7 @@ class LayerCosts:
     # the once-per-step reduction runs in another dtype than the gradients: its sums are
     # cast back into them (`runtime.stage_grads`; else they are the buffer's slices)
     cast_back: bool = False
+    stage: Cluster | None = None  # the stage mesh priced on (None: the pipeline's stage mesh)
 
     @property
     def time(self) -> list[float]:
@@ -134,7 +135,17 @@ def layer_costs(captured: Captured, result: IntraOpResult) -> LayerCosts:
     zero, cast = zero_gather_ratio(captured, result), result.ctx.reduce_itemsize
     cast_back = bool(cast) and cast != param_itemsize(captured)
     cross = crossing(captured, result)
-    return LayerCosts(tuple(layers), tuple(parts), pre, post, cross, result.comm, zero, cast_back)
+    return LayerCosts(
+        tuple(layers),
+        tuple(parts),
+        pre,
+        post,
+        cross,
+        result.comm,
+        zero,
+        cast_back,
+        result.ctx.cluster,
+    )
 
 
 def _grads(result: IntraOpResult, n, pos: int, op) -> list[Grad]:

@@ -7,8 +7,11 @@ A *layout* is a pipeline degree `pp`, the logical mesh every stage runs on, `(dp
 stays inside a node: `tp` is a power of two dividing the devices per node), the number of
 microbatches `M` and the schedule. The stage mesh's axes are only names: the intra-op ILP
 decides what each axis does (batch, ZeRO, Megatron TP/SP, ...). Stages are uniform (every
-stage gets the same submesh shape, as in Megatron and torchtitan); Alpa's heterogeneous
-submeshes are not searched.
+stage gets the same submesh shape, as in Megatron and torchtitan) while the degrees are
+priced; then the winner, if pipelined, is offered Alpa's choice of submesh with the device
+count fixed (`search.stage_meshes`): the rank holding the embedding, the one holding the
+head, or both, on the neighbouring (dp, tp) shapes (tp halved or doubled), its schedule and
+microbatches kept; a variant that is faster wins (`Layout.rank_meshes`).
 
 Each candidate is priced on a *template* (`autopar.capture.template`: the model captured
 with two of its blocks, the second weighted by the number of blocks it stands for) at the
@@ -58,6 +61,7 @@ from autopar.search.inter_op import Dominated, PipelineOptions
 from autopar.search.pins import SearchOptions
 from autopar.search.progress import candidate, phase
 from autopar.search.schedules import microbatch_rows
+from autopar.search.stage_meshes import rank_variants
 from autopar.search.template_plan import prepare_on_template, solve_on_template
 
 MICROBATCH_ROWS = (1, 2)  # rows per data-parallel replica in one microbatch
@@ -70,11 +74,16 @@ class Layout:
     tp: int
     microbatches: int
     schedule: str | None = None  # None: no pipeline
+    # per pipeline rank, its stage mesh's (dp, tp) where they differ (() : all (dp, tp))
+    rank_meshes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def key(self) -> str:
         sched = f" {self.schedule}" if self.schedule else ""
-        return f"pp{self.pp} dp{self.dp} tp{self.tp} m{self.microbatches}{sched}"
+        ranks = " ranks " + ",".join("x".join(map(str, m)) for m in self.rank_meshes)
+        return f"pp{self.pp} dp{self.dp} tp{self.tp} m{self.microbatches}{sched}" + (
+            ranks if self.rank_meshes else ""
+        )
 
     @property
     def accumulates(self) -> bool:
@@ -87,7 +96,11 @@ class Layout:
         (one stage axis is always kept; an accumulating layout keeps its "pp" axis of 1,
         what makes the plan a one-stage pipeline)."""
         axes = [("pp", self.pp), ("dp", self.dp), ("tp", self.tp)]
-        kept = [(n, s) for n, s in axes if s > 1 or (n == "pp" and self.accumulates)]
+        kept = [
+            (n, s)
+            for n, s in axes
+            if s > 1 or (n == "pp" and self.accumulates) or (n != "pp" and self.rank_meshes)
+        ]
         kept = kept or [("dp", 1)]
         if [n for n, _ in kept] == ["pp"]:
             kept.append(("dp", 1))
@@ -222,7 +235,10 @@ class _Pricer:
         if layout.pp == 1 and not layout.accumulates:
             return None
         rows = self.batch[0].shape[0]
-        return PipelineOptions(layout.microbatches, schedule, rows=rows, bar=bar)
+        meshes = layout.rank_meshes
+        return PipelineOptions(
+            layout.microbatches, schedule, rows=rows, bar=bar, rank_meshes=meshes
+        )
 
 
 def candidate_layouts(
@@ -301,6 +317,8 @@ def _search_layout(
         best = price_degrees(
             degrees, lambda layouts, bar: _price_all(pricer, layouts, schedule, tried, priced, bar)
         )
+        if best is not None and best[2].pp > 1:
+            best = min([best, *_price_stage_meshes(pricer, best, tried, priced)], key=_step)
     finally:
         ahead.clear()
     if best is None:
@@ -309,6 +327,34 @@ def _search_layout(
         )
     priced.sort(key=operator.itemgetter(0))  # stable: ties in pricing order, `best` first
     return LayoutSearch(priced, tried, time.perf_counter() - t0, pricer.templates)
+
+
+def _step(found: tuple[float, float, Layout]) -> float:
+    return found[0]
+
+
+def _price_stage_meshes(pricer: _Pricer, best, tried: dict, priced: list) -> list[tuple]:
+    """The pipelined winner `best` with its first or last stage's rank (or both) on a
+    neighbouring stage mesh shape (`stage_meshes.rank_variants`), its schedule and
+    microbatches kept: each variant that fits priced (and appended to `priced`)."""
+    _, _, won = best
+    rows = microbatch_rows(pricer.batch[0].shape[0], won.microbatches)[0]
+    out = []
+    per_node = pricer.cluster.devices_per_node
+    for meshes in rank_variants(won.pp, won.schedule, (won.dp, won.tp), per_node, rows):
+        layout = Layout(won.pp, won.dp, won.tp, won.microbatches, won.schedule, meshes)
+        try:
+            found = pricer.price(layout, won.schedule)
+        except (MemoryInfeasible, ValueError, SolverTimeout) as exc:
+            tried[layout.key] = f"infeasible: {str(exc).splitlines()[0][:100]}"
+            candidate(layout.key, None)
+            continue
+        found = (found[0], found[1], layout)
+        tried[layout.key] = found[0]
+        candidate(layout.key, found[0])
+        priced.append(found)
+        out.append(found)
+    return out
 
 
 def price_degrees(degrees: list[list[Layout]], price: Callable) -> tuple | None:

@@ -86,7 +86,7 @@ def predict_peak_per_rank(
     sims = [
         simulate_step(
             captured,
-            plan,
+            plan.on_rank(owners[s]),
             stages[s],
             probes,
             optimizer_states,
@@ -97,7 +97,9 @@ def predict_peak_per_rank(
     ]
     # zero-bubble schedules: the part of a microbatch's activations held from I to W
     stash = [
-        min(stage_stash(captured, plan, stages[s]) / p.kept, 1.0) if p.kept else 1.0
+        min(stage_stash(captured, plan.on_rank(owners[s]), stages[s]) / p.kept, 1.0)
+        if p.kept
+        else 1.0
         for s, p in enumerate(sims)
     ]
     timeline = simulate(
@@ -107,7 +109,7 @@ def predict_peak_per_rank(
     out = []
     for rank in range(pipe.pp):
         mine = [s for s in range(n) if owners[s] == rank]
-        grads = [stage_gradients(captured, plan, stages[s]) for s in mine]
+        grads = [stage_gradients(captured, plan.on_rank(rank), stages[s]) for s in mine]
         rank_sims = [sims[s] for s in mine]
         out.append(_combine(rank_sims, grads, timeline.in_flight[rank], pipe.microbatches, batch))
     return out

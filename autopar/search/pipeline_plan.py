@@ -15,6 +15,7 @@ from autopar.cluster import Cluster
 from autopar.plan import MemoryPlan, PipelinePlan, Plan, stage_ranks
 from autopar.search.inter_op import PipelineOptions, PricedSchedule, solve_pipeline, stage_cluster
 from autopar.search.pins import SearchOptions
+from autopar.search.stage_meshes import merged_plan, on_shape, solve_rank_meshes
 from autopar.search.to_plan import assemble_plan
 
 
@@ -25,20 +26,32 @@ def search_pipeline(
     options: SearchOptions,
     pipeline: PipelineOptions,
 ) -> Plan:
-    result, best, schedules = solve_pipeline(captured, cluster, stage_mesh, options, pipeline)
-    plan = assemble_plan(
-        captured,
-        cluster,
-        result.chosen,
-        options.strategy_name(),
-        best.step_time,
-        best.peak_memory,
-        {**result.info, "schedules": schedules, **best.info()},
-        priced=result.priced,
-        memory=MemoryPlan(*result.memory_plan),  # (recompute, reshard_after_forward)
-        comm=result.comm,
-    )
-    return replace(plan, pipeline=pipeline_plan(captured, cluster, pipeline, best))
+    if len(set(pipeline.rank_meshes)) > 1:  # pipeline ranks on stage meshes of two shapes
+        results, best, schedules = solve_rank_meshes(captured, cluster, options, pipeline)
+    else:
+        result, best, schedules = solve_pipeline(captured, cluster, stage_mesh, options, pipeline)
+        results = {stage_cluster(cluster).mesh_shape: result}
+
+    def assembled(shape: tuple[int, ...], result) -> Plan:
+        on = on_shape(cluster, shape)
+        plan = assemble_plan(
+            captured,
+            on,
+            result.chosen,
+            options.strategy_name(),
+            best.step_time,
+            best.peak_memory,
+            {**result.info, "schedules": schedules, **best.info()},
+            priced=result.priced,
+            memory=MemoryPlan(*result.memory_plan),  # (recompute, reshard_after_forward)
+            comm=result.comm,
+        )
+        return replace(plan, pipeline=pipeline_plan(captured, on, pipeline, best))
+
+    plans = {shape: assembled(shape, r) for shape, r in results.items()}
+    if len(plans) == 1:
+        return next(iter(plans.values()))
+    return merged_plan(captured, plans, plans[pipeline.rank_meshes[0]].pipeline)
 
 
 def pipeline_plan(
@@ -58,4 +71,5 @@ def pipeline_plan(
         rank_of_stage=tuple(stage_ranks(best.schedule, pp)),
         timeline=best.timeline.rows,
         boundary=best.boundary,
+        rank_meshes=pipeline.rank_meshes if len(set(pipeline.rank_meshes)) > 1 else (),
     )

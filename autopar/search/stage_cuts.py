@@ -17,12 +17,13 @@ def balanced_cuts(
     costs: list[float],
     stages: int,
     span: Callable[[int, int], float] | None = None,
-    prices: np.ndarray | None = None,
+    prices: np.ndarray | list[np.ndarray] | None = None,
 ) -> tuple[int, ...]:
     """First layer of each stage, minimizing the slowest stage (contiguous ranges; DP over
     the table of every range's price, vectorised: each range is priced once, however many
     stages). `span(i, j)`: seconds of a stage of layers i..j-1 (default: the sum of their
-    `costs`); `prices`: that table made already (`range_prices`)."""
+    `costs`); `prices`: that table made already (`range_prices`), or one per stage (its
+    pipeline rank's stage mesh, `search.stage_meshes`)."""
     n = len(costs)
     if stages > n:
         raise ValueError(
@@ -30,11 +31,14 @@ def balanced_cuts(
             f"has {n}. Use fewer stages or a non-interleaved schedule."
         )
     price = range_prices(costs, span) if prices is None else prices
+    tables = price if isinstance(price, list) else [price] * stages
     best = np.full(n + 1, np.inf)
     best[0] = 0.0
     cut = np.zeros((stages + 1, n + 1), dtype=np.int64)
     for s in range(1, stages + 1):
-        slowest = np.maximum(best[:, None], price)  # [i][j]: stages so far to i, then i..j-1
+        slowest = np.maximum(
+            best[:, None], tables[s - 1]
+        )  # [i][j]: stages so far to i, then i..j-1
         cut[s] = np.argmin(slowest, axis=0)  # the first i of the least (ties: earliest cut)
         best = slowest[cut[s], np.arange(n + 1)]
     cuts, j = [], n

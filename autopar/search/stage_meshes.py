@@ -17,9 +17,22 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from autopar._compat import shape_only_mesh
 from autopar.capture import Captured
 from autopar.capture.analysis import assign_stages
-from autopar.plan import PipelinePlan, Plan
+from autopar.cluster import Cluster
+from autopar.plan import SCHEDULES, PipelinePlan, Plan, stage_ranks
+from autopar.search.inter_op import (
+    PipelineOptions,
+    PricedSchedule,
+    price_schedules,
+    stage_cluster,
+    stage_ilp,
+    with_comm,
+)
+from autopar.search.intra_op import IntraOpResult, solve_intra
+from autopar.search.layer_costs import layer_costs
+from autopar.search.pins import SearchOptions
 
 
 def node_stages(captured: Captured, cuts: list[int]) -> dict[str, int]:
@@ -48,5 +61,93 @@ def merged_plan(captured: Captured, plans: dict[tuple[int, ...], Plan], pipeline
     base = plans[pipeline.mesh_of(0)]
     nodes = tuple(source(n.name).node(n.name) for n in base.nodes)
     tensors = tuple(source(t.name).tensor(t.name) for t in base.tensors)
+    # a layer's memory levers: those of its stage's rank's shape
+    stage_of_layer = [
+        sum(c <= i for c in pipeline.stage_cuts[1:]) for i in range(len(pipeline.layers))
+    ]
+    plan_of = {
+        layer: plans[pipeline.mesh_of(pipeline.rank_of_stage[stage_of_layer[i]])].memory
+        for i, layer in enumerate(pipeline.layers)
+    }
+    memory = replace(
+        base.memory,
+        recompute=tuple(
+            (layer, policy)
+            for layer, mem in plan_of.items()
+            for name, policy in mem.recompute
+            if name == layer
+        ),
+        reshard_after_forward=tuple(
+            layer for layer, mem in plan_of.items() if layer in mem.reshard_after_forward
+        ),
+    )
     pipeline = replace(pipeline, boundary="canonical")
-    return replace(base, nodes=nodes, tensors=tensors, pipeline=pipeline)
+    return replace(base, nodes=nodes, tensors=tensors, pipeline=pipeline, memory=memory)
+
+
+def on_shape(cluster: Cluster, shape: tuple[int, ...]) -> Cluster:
+    """`cluster` (a pipeline's: "pp" first) with its stage mesh of `shape`."""
+    if shape == stage_cluster(cluster).mesh_shape:
+        return cluster
+    return cluster.reshaped((cluster.axis_size("pp"), *shape), cluster.axis_names)
+
+
+def solve_rank_meshes(
+    captured: Captured,
+    cluster: Cluster,
+    options: SearchOptions,
+    pipeline: PipelineOptions,
+    layers: dict[str, float] | None = None,
+    total_layers: int | None = None,
+    known: dict[tuple[int, ...], IntraOpResult] | None = None,
+) -> tuple[dict[tuple[int, ...], IntraOpResult], PricedSchedule, dict[str, float]]:
+    """`inter_op.solve_pipeline` with every pipeline rank on its stage mesh's shape
+    (`pipeline.rank_meshes`): one stage ILP per shape (the same weights and budget), each
+    rank's stages priced on its shape's answer, the activations crossing "canonical"; the
+    fastest schedule that fits wins. ({shape: its ILP's answer}, best, {schedule: step});
+    ValueError when none fits. `known`: ILP answers by shape, for these same problems
+    (the ones solved here are added)."""
+    pp = cluster.axis_size("pp")
+    names = stage_cluster(cluster).axis_names
+    options, weights, ilp_limit = stage_ilp(cluster, options, pipeline, layers)
+    results, costs = {}, {}
+    known = {} if known is None else known
+    for shape in dict.fromkeys(pipeline.rank_meshes):
+        if shape not in known:
+            sub = stage_cluster(on_shape(cluster, shape))
+            mesh = shape_only_mesh("cpu", shape, names)
+            known[shape] = solve_intra(captured, sub, mesh, options, weights, ilp_limit)
+            with_comm(known[shape])
+        results[shape] = known[shape]
+        costs[shape] = layer_costs(captured, results[shape]).repeated(total_layers or 0)
+    per_rank = tuple(costs[shape] for shape in pipeline.rank_meshes)
+    candidates = [pipeline.schedule] if pipeline.schedule else list(SCHEDULES)
+    limit = ilp_limit / pp
+    priced, failures, _ = price_schedules(per_rank, candidates, pp, cluster, pipeline, limit)
+    if not priced:
+        raise ValueError("no pipeline schedule fits: " + "; ".join(failures))
+    best = min(priced, key=lambda p: p.step_time)
+    return results, best, {p.schedule: p.step_time for p in priced}
+
+
+def rank_variants(
+    pp: int, schedule: str, shape: tuple[int, ...], per_node: int, rows: int
+) -> list[tuple[tuple[int, ...], ...]]:
+    """The per-rank stage mesh shapes offered to a pipeline whose ranks all run `shape`
+    (dp, tp): the rank holding the first stage (the embedding), the one holding the last
+    (the head), or both, on a neighbouring shape (tp halved or doubled, inside a node,
+    every data-parallel rank given a share of the microbatch's `rows`); never every rank
+    (a uniform pipeline on that shape is a layout of its own)."""
+    if len(shape) != 2:
+        return []
+    dp, tp = shape
+    devices, ranks = dp * tp, stage_ranks(schedule, pp)
+    tps = [t for t in (tp // 2, tp * 2) if t >= 1 and t != tp and devices % t == 0]
+    others = [(devices // t, t) for t in tps if per_node % t == 0 and rows % (devices // t) == 0]
+    out: list[tuple[tuple[int, ...], ...]] = []
+    for other in others:
+        for moved in ({ranks[0]}, {ranks[-1]}, {ranks[0], ranks[-1]}):
+            meshes = tuple(other if r in moved else shape for r in range(pp))
+            if meshes not in out and len(moved) < pp:
+                out.append(meshes)
+    return out

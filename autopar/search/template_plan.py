@@ -48,6 +48,7 @@ from autopar.search.intra_op import IntraOpResult, prepare_intra, solve_intra
 from autopar.search.pins import SearchOptions
 from autopar.search.pipeline_plan import pipeline_plan
 from autopar.search.progress import phase
+from autopar.search.stage_meshes import merged_plan, on_shape, solve_rank_meshes
 from autopar.search.to_plan import assemble_plan
 
 
@@ -126,7 +127,8 @@ def solve_on_template(
 ):
     """`solve_intra` (no pipeline) or `solve_pipeline` on the template, solved once per
     problem: a pinned schedule reuses a search over all schedules that chose it."""
-    key = solved_key(cluster, options, pipeline and pipeline.microbatches)
+    m = pipeline and pipeline.microbatches
+    key = solved_key(cluster, options, m)
     known = template.solved.get(key)
     if pipeline is None:
         if known is None:
@@ -136,9 +138,22 @@ def solve_on_template(
             )
             template.solved[key] = known
         return known
-    if known is not None and pipeline.stage_cuts is None:
+    if known is not None and pipeline.stage_cuts is None and not pipeline.rank_meshes:
         if pipeline.schedule in (None, known[1].schedule):
             return known
+    if len(set(pipeline.rank_meshes)) > 1:  # ({shape: result}, best, schedules)
+        # each shape's stage ILP, kept for the final plan of the layout search's winner
+        first = on_shape(cluster, pipeline.rank_meshes[0])  # as the final plan's job has it
+        known = template.solved.setdefault(f"stage ILPs {solved_key(first, options, m)}", {})
+        return solve_rank_meshes(
+            template.captured,
+            cluster,
+            options,
+            pipeline,
+            template.weights,
+            template.total_layers,
+            known,
+        )
     found = solve_pipeline(
         template.captured,
         cluster,
@@ -148,7 +163,7 @@ def solve_on_template(
         layers=template.weights,
         total_layers=template.total_layers,
     )
-    if pipeline.stage_cuts is None and pipeline.schedule is None:
+    if pipeline.stage_cuts is None and pipeline.schedule is None and not pipeline.rank_meshes:
         template.solved[key] = found
     return found
 
@@ -206,7 +221,9 @@ def plan_from_template(
         result, best, schedules = solve_on_template(template, cluster, mesh, options, pipeline)
         step, peak = best.step_time, best.peak_memory
         extra = {"schedules": schedules, **best.info()}
-    with phase("assembly"):
+
+    def assembled(cluster: Cluster, result: IntraOpResult) -> Plan:
+        """The plan of `full` from the template's answer `result` on `cluster`."""
         chosen = {n: result.chosen[t] for n, t in nodes.items() if t in result.chosen}
         priced = frozenset(n for n, t in nodes.items() if t in result.priced)
         memory = _memory_plan(result, names)
@@ -231,4 +248,10 @@ def plan_from_template(
         )
         if pipeline is not None:
             plan = replace(plan, pipeline=pipeline_plan(full, cluster, pipeline, best))
-    return plan
+        return plan
+
+    with phase("assembly"):
+        if isinstance(result, dict):  # pipeline ranks on stage meshes of different shapes
+            plans = {shape: assembled(on_shape(cluster, shape), r) for shape, r in result.items()}
+            return merged_plan(full, plans, plans[pipeline.rank_meshes[0]].pipeline)
+        return assembled(cluster, result)

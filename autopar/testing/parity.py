@@ -65,8 +65,7 @@ class ParityCase:
     shard_gradients: bool = False
     placements: tuple[tuple[str, str], ...] = ()  # pinned (parameter, spec) pairs
     boundary: str | None = None  # a pipeline's boundary pinned on the searched plan
-    # per pipeline rank, its stage mesh's shape (`PipelinePlan.rank_meshes`): the plans
-    # searched on each shape (`mesh` = ("pp", *rank 0's)) merged (`search.stage_meshes`)
+    # per pipeline rank, its stage mesh's shape (`compile(stage_meshes=)`)
     rank_meshes: tuple[tuple[int, ...], ...] = ()
 
     @property
@@ -381,8 +380,6 @@ def _compiled(case: ParityCase, model, batch, plans: dict):
     import autopar
 
     cluster = autopar.Cluster.local(mesh=case.mesh, axis_names=case.axis_names)
-    if case.rank_meshes:
-        return _on_rank_meshes(case, model, batch)
     base = dataclasses.replace(case, memory=None, boundary=None)
     pinned = case.memory is not None or case.boundary is not None
     plan = plans.get(base) if pinned else None
@@ -400,6 +397,7 @@ def _compiled(case: ParityCase, model, batch, plans: dict):
             shard_optimizer=case.shard_optimizer,
             shard_gradients=case.shard_gradients,
             placements=dict(case.placements) or None,
+            stage_meshes=case.rank_meshes or None,
         )
         plan = plans[base] = pm.plan
         if not pinned:
@@ -411,36 +409,6 @@ def _compiled(case: ParityCase, model, batch, plans: dict):
     if case.boundary is not None:
         pipeline = dataclasses.replace(plan.pipeline, boundary=case.boundary)
         plan = dataclasses.replace(plan, pipeline=pipeline)
-    return autopar.compile(
-        model, batch, cluster=cluster, plan=plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR)
-    )
-
-
-def _on_rank_meshes(case: ParityCase, model, batch):
-    """`case`'s pipeline with each rank on its stage mesh shape: planned on each shape
-    (the first's cuts pinned on the others), merged, compiled."""
-    import autopar
-    from autopar.search.stage_meshes import merged_plan
-
-    plans, cuts, pm = {}, None, None
-    for shape in dict.fromkeys(case.rank_meshes):
-        mesh = (case.mesh[0], *shape)
-        pm = autopar.compile(
-            model,
-            batch,
-            cluster=autopar.Cluster.local(mesh=mesh, axis_names=case.axis_names),
-            strategy=case.strategy,
-            schedule=case.schedule,
-            microbatches=case.microbatches,
-            stage_cuts=cuts,
-        )
-        plans[shape] = pm.plan
-        cuts = pm.plan.stage_cuts
-    pipeline = dataclasses.replace(
-        plans[case.rank_meshes[0]].pipeline, rank_meshes=case.rank_meshes, boundary="canonical"
-    )
-    plan = merged_plan(pm.captured, plans, pipeline)
-    cluster = autopar.Cluster.local(mesh=case.mesh, axis_names=case.axis_names)
     return autopar.compile(
         model, batch, cluster=cluster, plan=plan, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR)
     )

@@ -1,0 +1,104 @@
+"""Pipeline ranks on stage meshes of different shapes (`search.stage_meshes`).
+
+Each rank's stages are priced on its own shape's costs and cut to balance them; the
+activations cross "canonical" (split alike on any shape); a plan made so takes every node
+from the plan of its stage's rank's shape. Parity of such pipelines with one device is in
+tests/test_pipeline.py (pp 2 with ranks on dp x tp 2 x 1 and 1 x 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from autopar.search.crossing import Crossing
+from autopar.search.inter_op import price_schedule, stage_cluster
+from autopar.search.layer_costs import PartCost, layer_range, stage_time
+from autopar.search.stage_meshes import rank_variants
+
+
+def _slower(costs, factor: float):
+    """`costs` with every layer `factor` times slower (a shape the layers like less)."""
+    from autopar.search.step import Part
+
+    def scaled(p: PartCost) -> PartCost:
+        program = tuple(
+            Part(forward=q.forward * factor, backward=q.backward * factor) for q in p.program
+        )
+        return replace(p, time=p.time * factor, program=program)
+
+    layer = scaled(costs.parts[0])
+    return replace(costs, parts=(layer,) * len(costs.parts), pre=scaled(costs.pre))
+
+
+def test_each_rank_is_priced_on_its_own_stage_mesh() -> None:
+    """Rank 1 twice as slow per layer: the cuts give rank 0 three of the four layers, each
+    stage's time is its layers' on its rank's costs, plus the canonical crossing's
+    redistributions (sending, receiving); the same costs on both ranks price as one."""
+    from tests.test_pipeline import _synthetic
+
+    fast, cluster, _ = _synthetic([], layer_forward=1e-3)
+    hop = ((1e-4, 1e-4), (0.0, 1e-4))  # (receive, send), (forward, backward) each
+    fast = replace(fast, crossing=Crossing(canonical_bytes=1e3, canonical=hop))
+    slow = _slower(fast, 2.0)
+    priced = price_schedule((fast, slow), "1f1b", 2, 4, cluster)
+    assert priced.boundary == "canonical" and priced.cuts == (0, 3)
+    sub = stage_cluster(cluster)
+    first = stage_time(layer_range(fast, 0, 3), sub, fast.comm)
+    last = stage_time(layer_range(slow, 3, 4), sub, slow.comm)
+    assert priced.stage_times == pytest.approx((first + 1e-4, last + 2e-4))
+    one = price_schedule(fast, "1f1b", 2, 4, cluster)
+    assert price_schedule((fast, fast), "1f1b", 2, 4, cluster) == one
+    assert one.boundary == "placed"
+
+
+def test_the_first_and_last_ranks_are_offered_neighbouring_shapes() -> None:
+    """tp halved or doubled inside a node, on the rank of the first stage, of the last, or
+    both; never all ranks (that is a uniform layout), never a dp the microbatch's rows
+    cannot split."""
+    assert rank_variants(2, "1f1b", (2, 1), 8, 4) == [((1, 2), (2, 1)), ((2, 1), (1, 2))]
+    # a V holds the first and the last stage on rank 0
+    assert rank_variants(4, "zbv", (4, 2), 8, 8) == [
+        ((8, 1), (4, 2), (4, 2), (4, 2)),
+        ((2, 4), (4, 2), (4, 2), (4, 2)),
+    ]
+    three = rank_variants(3, "1f1b", (2, 2), 8, 4)
+    assert len(three) == 6 and three[2] == ((4, 1), (2, 2), (4, 1))
+    assert rank_variants(2, "1f1b", (8, 1), 8, 1) == []  # one row: no dp of 4 or 2
+    assert rank_variants(2, "1f1b", (2, 4), 4, 8) == [((4, 2), (2, 4)), ((2, 4), (4, 2))]
+    assert rank_variants(2, "1f1b", (4,), 4, 8) == []  # one stage axis: one shape
+
+
+def test_a_plan_on_two_shapes_takes_each_node_from_its_ranks_shape() -> None:
+    """`autopar.plan(stage_meshes=...)`: per stage mesh shape one stage ILP, the merged
+    plan's nodes and parameters each its stage's rank's, activations crossing canonical;
+    each shape's ILP is the uniform pipeline's on that shape, cut the same way."""
+    import autopar
+    from autopar.capture import capture
+    from autopar.search.stage_meshes import node_stages
+    from samples import get_sample
+
+    sample = get_sample("llama")
+    model = sample.build("tiny4", device="meta")
+    batch = sample.example_batch(model, 8, device="meta")
+    pinned = dict(strategy=("dp", "tp"), schedule="1f1b", microbatches=4)
+
+    def planned(mesh, **kw):
+        cluster = autopar.Cluster.preset("cpu", mesh=mesh, axis_names=("pp", "dp", "tp"))
+        return autopar.plan(model, batch, cluster=cluster, **pinned, **kw)
+
+    merged = planned((2, 2, 1), stage_meshes=((2, 1), (1, 2)))
+    pipe = merged.pipeline
+    assert pipe.rank_meshes == ((2, 1), (1, 2)) and pipe.boundary == "canonical"
+    assert merged.on_rank(1).stage_mesh_shape == (1, 2) and merged.stage_mesh_shape == (2, 1)
+    uniform = [planned(m, stage_cuts=pipe.stage_cuts) for m in ((2, 2, 1), (2, 1, 2))]
+    small = tuple(t[:2] for t in batch)  # a microbatch: what a pipeline captures
+    stage_of = node_stages(capture(model, small), list(pipe.stage_cuts))
+    for node in merged.nodes:
+        assert node == uniform[stage_of[node.name]].node(node.name), node.name
+    for t in merged.tensors:
+        assert t == uniform[stage_of[t.name]].tensor(t.name), t.name
+    assert len(merged.solver["predicted_memory_per_pp_rank"]) == 2
+    with pytest.raises(ValueError, match="give 2 shapes"):
+        planned((2, 2, 1), stage_meshes=((2, 1),))
