@@ -22,7 +22,8 @@ from torch import nn
 from autopar.cluster import Cluster
 from autopar.options import PlanOptions
 from autopar.plan import Plan
-from autopar.planning import plan_for_ranks, plan_model, smaller_microbatch
+from autopar.planning import plan_model, smaller_microbatch
+from autopar.rank_plans import plan_for_ranks
 from autopar.runtime.parallel_model import OptimizerFactory, ParallelModel
 from autopar.runtime.pipeline_model import PipelineModel
 

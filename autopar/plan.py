@@ -208,19 +208,16 @@ class PipelinePlan:
     def __post_init__(self) -> None:
         if self.boundary not in BOUNDARIES:
             raise ValueError(f"pipeline boundary {self.boundary!r}: expected one of {BOUNDARIES}")
-        if not self.rank_meshes:
-            return
-        devices = math.prod(self.stage_mesh)
-        for shape in self.rank_meshes:
-            if len(shape) != len(self.stage_axis_names) or math.prod(shape) != devices:
-                raise ValueError(
-                    f"stage mesh {shape} of the pipeline's rank_meshes {self.rank_meshes}: "
-                    f"every rank needs {devices} devices on {len(self.stage_axis_names)} "
-                    f"axes {self.stage_axis_names}"
-                )
-        if len(self.rank_meshes) != self.pp:
-            raise ValueError(f"rank_meshes has {len(self.rank_meshes)} shapes for pp={self.pp}")
-        if self.boundary != "canonical" and len(set(self.rank_meshes)) > 1:
+        meshes, devices = self.rank_meshes, math.prod(self.stage_mesh)
+        if meshes and (
+            len(meshes) != self.pp
+            or any(len(m) != len(self.stage_mesh) or math.prod(m) != devices for m in meshes)
+        ):
+            raise ValueError(
+                f"rank_meshes {meshes}: one stage mesh per pipeline rank ({self.pp}), every "
+                f"rank {devices} devices on the axes {self.stage_axis_names}"
+            )
+        if self.boundary != "canonical" and len(set(meshes)) > 1:
             raise ValueError("stages on meshes of different shapes cross 'canonical'")
 
     def mesh_of(self, rank: int) -> tuple[int, ...]:
@@ -238,14 +235,11 @@ BOUNDARIES = ("placed", "scattered", "canonical")
 
 
 def canonical_spec(shape: tuple[int, ...], devices: int, ndim: int) -> Spec:
-    """How a value crosses between stage meshes of any shape with `devices` devices: every
-    one of the `ndim` axes splitting the first dim `devices` divides, nested, so that the
-    stage's k-th device (row-major) holds the value's k-th chunk whatever the mesh's shape
-    (replicated where no dim divides)."""
+    """How a value crosses between stage meshes of any shape of `devices` devices: all
+    `ndim` axes split the first dim `devices` divides, nested, so the stage's k-th device
+    holds chunk k on any shape (replicated where no dim divides)."""
     dim = next((d for d, n in enumerate(shape) if n >= devices and n % devices == 0), None)
-    if dim is None or devices == 1:
-        return (Replicate(),) * ndim
-    return (Shard(dim),) * ndim
+    return (Replicate() if dim is None or devices == 1 else Shard(dim),) * ndim
 
 
 def scattered_spec(spec: Spec, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> Spec:

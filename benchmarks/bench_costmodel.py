@@ -7,8 +7,8 @@
 
 On 4 local processes (one spawn for everything, gloo on CPU, NCCL where every process has a
 GPU), each sample is compiled under every plan of `PLANS` (dp, fsdp, tp, dp x tp,
-fsdp x tp, two-stage pipelines under 1F1B and GPipe, and the search's own pick on a 1-D and
-a 2-D mesh), with the cluster read from `--cluster` (a file `autopar calibrate` wrote;
+fsdp x tp, two-stage pipelines under 1F1B and GPipe, one whose two ranks run dp and tp, and
+the search's own pick on a 1-D and a 2-D mesh), with the cluster read from `--cluster` (a file `autopar calibrate` wrote;
 `--calibrate` measures one first) re-meshed to the plan's mesh. Each plan trains `--warmup`
 + `--steps` steps (forward, backward, optimizer; the slowest rank's time, median over the
 steps) beside `plan.predicted_step_time`. A plan whose program is one measured before (the
@@ -56,6 +56,12 @@ PLANS: dict[str, tuple[tuple[int, ...], tuple[str, ...], dict]] = {
     "fsdp x tp": ((2, 2), ("dp", "tp"), {"strategy": ("fsdp", "tp")}),
     "pp2 dp2 1f1b": ((2, 2), ("pp", "dp"), {"strategy": "dp", "schedule": "1f1b"}),
     "pp2 dp2 gpipe": ((2, 2), ("pp", "dp"), {"strategy": "dp", "schedule": "gpipe"}),
+    # the pipeline ranks on stage meshes of two shapes: rank 0 dp x tp 2 x 1, rank 1 1 x 2
+    "pp2 dp|tp 1f1b": (
+        (2, 2, 1),
+        ("pp", "dp", "tp"),
+        {"strategy": ("dp", "tp"), "schedule": "1f1b", "stage_meshes": ((2, 1), (1, 2))},
+    ),
     "auto 1-D": ((4,), ("dp",), {}),
     "auto 2-D": ((2, 2), ("dp", "tp"), {}),
 }

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import autopar  # noqa: E402
 from autopar.cli.sources import load_model  # noqa: E402
 from autopar.options import PlanOptions  # noqa: E402
-from autopar.planning import plan_for_ranks  # noqa: E402
+from autopar.rank_plans import plan_for_ranks  # noqa: E402
 from autopar.runtime.parallel_model import ParallelModel  # noqa: E402
 from autopar.testing.rank_pool import on_ranks  # noqa: E402
 

@@ -15,7 +15,7 @@ from autopar.capture import CaptureError, capture
 from autopar.cluster import Cluster
 from autopar.options import PlanOptions
 from autopar.plan import Plan
-from autopar.planning import check_plan_matches
+from autopar.rank_plans import check_plan_matches
 from autopar.views import describe, summary
 from samples import get_sample
 

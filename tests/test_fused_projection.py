@@ -88,7 +88,7 @@ def test_the_fused_projections_input_gradient_stays_partial_at_run_time() -> Non
     from autopar._compat import FakeStore
     from autopar.options import PlanOptions
     from autopar.passes.comm import OFF
-    from autopar.planning import plan_for_ranks
+    from autopar.rank_plans import plan_for_ranks
     from autopar.runtime.parallel_model import ParallelModel
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)

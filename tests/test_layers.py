@@ -52,7 +52,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autopar.passes.precision",
     ),
     ("autopar.runtime",),
-    ("autopar.api", "autopar.planning", "autopar.calibration"),
+    ("autopar.api", "autopar.planning", "autopar.rank_plans", "autopar.calibration"),
     ("autopar.views", "autopar.plan_views", "autopar.testing", "autopar.cli", "autopar.__main__"),
 )
 

@@ -27,7 +27,7 @@ from autopar.options import PlanOptions
 from autopar.passes.comm import ALL_GATHER, OFF, UNPACK, VIEWS, WAITS, CommOptions
 from autopar.passes.recompute import is_backward, layer_of
 from autopar.passes.shape_reads import FILLS
-from autopar.planning import plan_for_ranks
+from autopar.rank_plans import plan_for_ranks
 from autopar.runtime.parallel_model import ParallelModel
 from autopar.testing.parity import LR, RANK_CAPTURES, shared_capture, test_backend
 from autopar.testing.rank_pool import on_ranks

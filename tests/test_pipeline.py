@@ -576,7 +576,7 @@ def test_a_canonical_crossing_is_one_split_on_any_stage_mesh() -> None:
     assert plan.mesh_of(1) == (1, 2) and PipelinePlan.from_dict(dataclasses.asdict(plan)) == plan
     with pytest.raises(ValueError, match="cross 'canonical'"):
         PipelinePlan(**stages, **axes, rank_meshes=meshes)
-    with pytest.raises(ValueError, match="every rank needs 2 devices"):
+    with pytest.raises(ValueError, match="every rank 2 devices"):
         PipelinePlan(**stages, **axes, boundary="canonical", rank_meshes=((2, 1), (2, 2)))
 
 

@@ -29,7 +29,7 @@ from autopar.options import PlanOptions
 from autopar.passes.comm import DEFAULT, OFF, UNPACK, CommOptions
 from autopar.passes.recompute import RECOMPUTED, is_backward, layer_of
 from autopar.plan import MemoryPlan
-from autopar.planning import plan_for_ranks
+from autopar.rank_plans import plan_for_ranks
 from autopar.runtime.memory_stats import track_memory
 from autopar.runtime.parallel_model import ParallelModel
 from autopar.testing.parity import LR, ParityCase, ParityResult, Tolerance, check, run_parity

@@ -102,3 +102,48 @@ def test_a_plan_on_two_shapes_takes_each_node_from_its_ranks_shape() -> None:
     assert len(merged.solver["predicted_memory_per_pp_rank"]) == 2
     with pytest.raises(ValueError, match="give 2 shapes"):
         planned((2, 2, 1), stage_meshes=((2, 1),))
+
+
+def test_the_layout_search_offers_the_winners_ranks_other_shapes(monkeypatch) -> None:
+    """GPT small on two 4-device cpu nodes: the winner is a pipeline of two ranks of 4;
+    its embedding-and-head rank (a V: rank 0) on dp x tp 2 x 2 is priced beside it (here
+    slower). Priced faster (patched), that variant wins, and the default call's plan runs
+    its ranks on those shapes, as pinning them plans it."""
+    import autopar
+    from autopar.planning import fake_group
+    from autopar.search.layouts import _Pricer, search_layout
+    from autopar.search.pins import SearchOptions
+    from samples import get_sample
+
+    sample = get_sample("gpt")
+    model = sample.build("small", device="meta")
+    batch = sample.example_batch(model, 16, device="meta")
+    cluster = autopar.Cluster.preset("cpu", nodes=2, devices_per_node=4)
+    with fake_group(cluster.world_size):
+        found = search_layout(model, batch, cluster, SearchOptions())
+    won = found.best
+    assert (won.pp, won.dp, won.tp, won.schedule) == (2, 4, 1, "zbv"), found.tried
+    variant = f"{won.key} ranks 2x2,4x1"
+    assert isinstance(found.tried[variant], float), found.tried
+    assert found.step_time == min(step for step, _, _ in found.priced) < found.tried[variant]
+
+    price = _Pricer.price
+
+    def favoured(self, layout, schedule, bar=float("inf")):
+        step, peak, chosen = price(self, layout, schedule, bar)
+        return (step / 2 if layout.rank_meshes else step), peak, chosen
+
+    monkeypatch.setattr(_Pricer, "price", favoured)
+    plan = autopar.plan(model, batch, cluster=cluster)
+    assert plan.solver["layout"] == variant
+    assert plan.pipeline.rank_meshes == ((2, 2), (4, 1)) and plan.mesh_shape == (2, 2, 2)
+    monkeypatch.undo()
+    pinned = autopar.plan(
+        model,
+        batch,
+        cluster=cluster.reshaped((2, 2, 2), ("pp", "dp", "tp")),
+        microbatches=won.microbatches,
+        schedule="zbv",
+        stage_meshes=((2, 2), (4, 1)),
+    )
+    assert pinned.nodes == plan.nodes and pinned.pipeline == plan.pipeline

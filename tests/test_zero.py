@@ -20,7 +20,7 @@ from torch import nn
 
 import autopar
 from autopar.capture import capture
-from autopar.planning import check_plan_matches
+from autopar.rank_plans import check_plan_matches
 from autopar.testing.parity import (
     LR,
     ParityCase,

@@ -1,6 +1,8 @@
 """Pipeline-parallel runtime: stage programs under torch.distributed.pipelining schedules.
 
-The world mesh is `(pp, *stage_mesh)`. Each pipeline rank holds one stage (GPipe, 1F1B) or
+The world mesh is `(pp, *stage_mesh)` (where the pipeline ranks' stage meshes differ in
+shape, `PipelinePlan.rank_meshes`, each rank runs on the world mesh of its own shape and
+activations cross "canonical", `boundary_spec`). Each pipeline rank holds one stage (GPipe, 1F1B) or
 several virtual stages (interleaved: stages r, r+pp, ...; V-shaped schedules: r and
 2pp-1-r). A stage is a `StageModule`: its local parameter shards and a program made by
 AOTAutograd from the same DTensor interpretation as the non-pipelined lowering (forward and
