@@ -421,3 +421,20 @@ def test_prefetched_gathers_hide_only_what_the_device_hides(cluster: Cluster) ->
     gather = buckets.fused_time(parts()[0].gathers, none)
     copies = buckets.fused_copies(parts()[0].gathers, none)
     assert steps[-1] == pytest.approx(compute_s + 4 * (gather + copies), rel=1e-9)
+
+
+def test_an_axis_of_one_device_moves_nothing() -> None:
+    """DTensor skips the redistribution on a mesh axis of size 1 (no collective is
+    issued), so no price, not even a launch: a (4, 1) mesh prices like a (4,) one."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from autopar.cost_models.reshard import reshard_seconds
+
+    wide = Cluster.preset("cpu", mesh=(4, 1), axis_names=("dp", "tp"))
+    flat = Cluster.preset("cpu", mesh=(4,), axis_names=("dp",))
+    s0, r = Shard(0), Replicate()
+    shape = (8, 64, 256)
+    assert reshard_seconds(wide, (s0, Partial()), (s0, r), shape, 4) == 0.0
+    assert reshard_seconds(wide, (s0, r), (s0, Shard(2)), shape, 4) == 0.0
+    both = reshard_seconds(wide, (Partial(), Partial()), (r, r), shape, 4)
+    assert both == reshard_seconds(flat, (Partial(),), (r,), shape, 4) > 0.0

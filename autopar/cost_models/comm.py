@@ -278,7 +278,7 @@ def redistribute_moves(
         kind = transition_kind(cur, tgt)
         if kind is None:
             return None
-        if kind is not Collective.LOCAL:
+        if kind is not Collective.LOCAL and mesh_shape[axis] > 1:  # DTensor skips an axis of 1
             full_over_axis = list(before)
             full_over_axis[axis] = Replicate()
             out.append((axis, kind, tuple(full_over_axis)))
