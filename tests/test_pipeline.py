@@ -86,11 +86,18 @@ def test_pipeline_matches_single_device(world, mesh, names, strategy, schedules)
             + _cases("llama", mesh, names, strategy, ("zbv",))
         ]
     if names == ("pp", "dp"):  # stage meshes of two shapes: rank 0 dp x tp 2 x 1, rank 1
-        # 1 x 2 (a V holds the tied embedding and head on rank 0; 1F1B sums them over pp)
+        # 1 x 2 (a V holds the tied embedding and head on rank 0; 1F1B sums them over pp,
+        # here under ZeRO-1: each rank's flat shards on its own mesh)
         stage = dict(config="tiny4", steps=STEPS, microbatches=4, rank_meshes=((2, 1), (1, 2)))
         cases += [
-            ParityCase(sample, (2, 2, 1), ("pp", "dp", "tp"), ("dp", "tp"), schedule=s, **stage)
-            for sample, s in (("gpt", "zbv"), ("gpt", "1f1b"), ("llama", "interleaved1f1b"))
+            ParityCase(
+                sample, (2, 2, 1), ("pp", "dp", "tp"), ("dp", "tp"), schedule=s, **zero, **stage
+            )
+            for sample, s, zero in (
+                ("gpt", "zbv", {}),
+                ("gpt", "1f1b", {"shard_optimizer": True}),
+                ("llama", "interleaved1f1b", {}),
+            )
         ]
     # 8 rows in 4 microbatches of 2 over dp = 4: a clear error on every rank, no hang
     (too_thin,) = _cases("gpt", (1, 4), ("pp", "dp"), "dp", ("1f1b",))

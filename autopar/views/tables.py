@@ -37,6 +37,17 @@ from autopar.views.layers import (
 _GiB = 2**30
 
 
+def _stage_meshes_text(plan: Plan) -> str:
+    """The stage mesh, or each pipeline rank's where their shapes differ."""
+    pipe, names = plan.pipeline, plan.stage_axis_names
+    if len(set(pipe.rank_meshes)) <= 1:
+        return _mesh_text(names, plan.stage_mesh_shape)
+    return (
+        "; ".join(f"rank {r}: {_mesh_text(names, pipe.mesh_of(r))}" for r in range(pipe.pp))
+        + f" (activations cross {pipe.boundary})"
+    )
+
+
 def header_table(plan: Plan) -> Table:
     cluster = Cluster.from_dict(plan.cluster)
     roles = axis_roles(plan)
@@ -52,11 +63,7 @@ def header_table(plan: Plan) -> Table:
         "graph": plan.graph_fingerprint,
         "devices": f"{cluster.world_size} × {cluster.device.name} ({cluster.backend})",
         "mesh": _mesh_text(plan.axis_names, plan.mesh_shape),
-        **(
-            {"stage mesh": _mesh_text(plan.stage_axis_names, plan.stage_mesh_shape)}
-            if plan.pipeline is not None
-            else {}
-        ),
+        **({"stage mesh": _stage_meshes_text(plan)} if plan.pipeline is not None else {}),
         "axis roles": ", ".join(
             f"{n}={r}" for n, r in zip(plan.stage_axis_names, roles, strict=True)
         ),
