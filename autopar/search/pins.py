@@ -111,7 +111,11 @@ def apply_pins(
     options: SearchOptions,
     mesh: DeviceMesh,
 ) -> dict[fx.Node, list[NodeStrategy]]:
-    roles = options.roles(mesh.ndim)
+    # a role on an axis of one device pins nothing (its strategies are all replicated
+    # there, `passes.strategies.enumerate.on_unit_axes`)
+    roles = tuple(
+        "auto" if n == 1 else r for r, n in zip(options.roles(mesh.ndim), mesh.shape, strict=True)
+    )
     names = {**captured.params, **captured.buffers, **{n: n for n in captured.user_inputs}}
     unknown = set(options.placements) - set(names.values())
     if unknown:

@@ -157,7 +157,7 @@ def node_strategies(
         if not isinstance(val, torch.Tensor):
             return None
         specs = storage_specs(val.shape, tuple(mesh.shape), (hints or {}).get(node, ()))
-        return [NodeStrategy((), (s,)) for s in specs]
+        return on_unit_axes([NodeStrategy((), (s,)) for s in specs], tuple(mesh.shape))
     if node.op != "call_function":
         return None
     if node.target is operator.getitem and node.args[0] in table:
@@ -171,7 +171,23 @@ def node_strategies(
         if sig not in memo:
             memo[sig] = _op_strategies(node, mesh, table)
         found = memo[sig]
-    return kept(node, found, hints or {})
+    return kept(node, on_unit_axes(found, tuple(mesh.shape)), hints or {})
+
+
+def on_unit_axes(found: list[NodeStrategy], mesh_shape: tuple[int, ...]) -> list[NodeStrategy]:
+    """The strategies replicated on every mesh axis of one device (where any is): a split
+    or a partial sum over one device is the same local tensor, so the others only repeat
+    them (DTensor moves nothing on such an axis, and the search prices nothing)."""
+    unit = [a for a, n in enumerate(mesh_shape) if n == 1]
+    if not unit:
+        return found
+    kept_ = [
+        s
+        for s in found
+        if all(spec is None or all(spec[a].is_replicate() for a in unit)
+               for spec in (*s.inputs, *s.outputs))
+    ]  # fmt: skip
+    return kept_ or found
 
 
 def enumerate_strategies(gm: fx.GraphModule, mesh: DeviceMesh) -> dict[fx.Node, list[NodeStrategy]]:
