@@ -77,6 +77,8 @@ class PipelineModel(TrainingSteps):
             if self.zero is None
             else GradientScatter(modules, self.mesh, _master_dtype(self.zero), self._tied)
         )
+        if self.zero is not None and len(set(plan.pipeline.rank_meshes)) > 1:
+            self.sync.complete = set(self._tied)  # summed whole (`_sync_tied_grads`)
         # ZeRO: the working parameters gathered after each step, each stage's waited at
         # its next forward
         self.gather = _param_gather(self.modules, self.zero, self.mesh)
@@ -298,12 +300,13 @@ class PipelineModel(TrainingSteps):
         tensors = {t.name: t for t in self.plan.tensors}
         whole = len(set(self.plan.pipeline.rank_meshes)) > 1
         for name in self._tied:
-            held = [
-                p
-                for m in self.modules.values()
-                for n, p in zip(m.stage.params, m.shards, strict=True)
-                if n == name
-            ]
+            held = []
+            for m in self.modules.values():
+                for i, (n, p) in enumerate(zip(m.stage.params, m.shards, strict=True)):
+                    if n == name:
+                        held.append(p)
+                        if whole and self.zero is not None and p.grad is not None:
+                            _complete(m, i, p.grad, self.mesh)
             grads = [p.grad for p in held if p.grad is not None]
             total = torch.stack(grads).sum(0) if grads else None
             spec, shape = parse_spec(tensors[name].spec), tensors[name].shape
@@ -332,6 +335,16 @@ class PipelineModel(TrainingSteps):
             if name in m.stage.buffers:
                 return getattr(m, f"b{m.stage.buffers.index(name)}")
         return None
+
+
+def _complete(module: StageModule, index: int, grad: torch.Tensor, mesh: DeviceMesh) -> None:
+    """ZeRO leaves a gradient partial on the axes its placements name (for
+    `GradientScatter`); where the ranks' stage meshes differ, the partial sums of two
+    shapes do not add up over the pipeline axis: summed here over its own stage mesh first
+    (in place), and the scatter only cuts its flat shard (`GradientScatter.complete`)."""
+    for axis, q in enumerate(module.grad_placements.get(index, ())):
+        if q.is_partial():
+            dist.all_reduce(grad, group=mesh.get_group(axis))
 
 
 def _full_state(model: nn.Module, captured: Captured) -> dict[str, torch.Tensor]:

@@ -128,6 +128,9 @@ class GradientScatter(_StageReduction):
     def __init__(self, modules, mesh, master: torch.dtype | None, tied: list[str]):
         super().__init__(modules, mesh)
         self.master, self.tied = master, set(tied)
+        # tied parameters whose gradients the pipeline completes before the scatter
+        # (ranks on stage meshes of different shapes): cut, not summed
+        self.complete: set[str] = set()
         self.shards: dict[tuple[int, int], torch.Tensor] = {}
 
     def wait(self) -> None:
@@ -145,7 +148,8 @@ class GradientScatter(_StageReduction):
             keep = module.grad_placements.get(i)
             if p.grad is None or keep is None or (module.stage.params[i] in self.tied) != tied:
                 continue
-            src = tuple(q if q.is_partial() else Replicate() for q in keep)
+            summed = module.stage.params[i] in self.complete
+            src = tuple(q if q.is_partial() and not summed else Replicate() for q in keep)
             dst = flat_spec(module._specs[i])
             dtype = module.reduce_dtype or p.grad.dtype
             buckets.setdefault((src, dst, dtype), []).append((i, p.grad))
