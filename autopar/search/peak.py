@@ -40,8 +40,7 @@ import torch
 import torch.fx as fx
 
 from autopar.capture import Captured
-from autopar.capture.analysis import batch_dependent, layer_order
-from autopar.capture.export import layer_of
+from autopar.capture.analysis import assign_stages, batch_dependent
 from autopar.capture.operands import tensor_operands
 from autopar.cost_models.memory import local_shape, replicas
 from autopar.plan import Plan, parse_spec, stage_ranks
@@ -228,19 +227,8 @@ def stage_nodes(
     captured: Captured, cuts: list[int], probes: dict[str, NodeProbe]
 ) -> list[list[fx.Node]]:
     """Each stage's nodes in graph order, as `passes.stages.split_stages` cuts them."""
-    layers = layer_order(captured)
-    first = {layer: i for i, layer in enumerate(layers)}
-    stage_of_layer = [sum(1 for c in cuts[1:] if c <= i) for i in range(len(layers))]
+    stage_of = assign_stages(captured, cuts)
     batch = batch_dependent(captured)
-    stage_of: dict[fx.Node, int] = {}
-    current = 0
-    for n in captured.gm.graph.nodes:
-        if n.op != "call_function" or n not in batch:
-            continue
-        layer = layer_of(n)
-        if layer is not None:
-            current = stage_of_layer[first[layer]]
-        stage_of[n] = current
     readers: dict[fx.Node, set[int]] = {}
     for n in reversed(captured.gm.graph.nodes):  # weight-only nodes: every reading stage
         if n.op == "call_function" and n not in batch:
