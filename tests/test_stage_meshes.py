@@ -147,3 +147,31 @@ def test_the_layout_search_offers_the_winners_ranks_other_shapes(monkeypatch) ->
         stage_meshes=((2, 2), (4, 1)),
     )
     assert pinned.nodes == plan.nodes and pinned.pipeline == plan.pipeline
+
+
+def test_the_tied_gradients_sum_over_pp_is_priced() -> None:
+    """GPT's embedding and head share a weight: after the schedule every pipeline rank
+    joins its gradients' all-reduce over pp (`PipelineModel._sync_tied_grads`), of the
+    local shard, or of the whole tensor where the ranks' stage meshes differ; then steps.
+    An untied model (Llama) pays nothing; nor does a pipeline of one stage."""
+    from autopar.cost_models.comm import Collective, collective_time
+    from autopar.search.layer_costs import layer_costs
+    from tests.test_pipeline import _solved_gpt_pipeline, _synthetic
+
+    model, _, captured, (result, _, _) = _solved_gpt_pipeline("dp", "dp")
+    assert layer_costs(captured, result).tied == (model.wte.weight.numel() * 4,) * 2  # dp: whole
+
+    costs, cluster, _ = _synthetic([], layer_forward=1e-3)
+    mib = float(2**20)
+    tied = replace(costs, tied=(mib, 4 * mib))
+    ar = [collective_time(Collective.ALL_REDUCE, b, 0, cluster) for b in (mib, 4 * mib)]
+    base = price_schedule(costs, "1f1b", 2, 4, cluster).step_time
+    assert price_schedule(tied, "1f1b", 2, 4, cluster).step_time == pytest.approx(base + ar[0])
+    mixed = price_schedule((tied, _slower(tied, 1.0)), "1f1b", 2, 4, cluster)
+    assert mixed.step_time == pytest.approx(
+        price_schedule((costs, _slower(costs, 1.0)), "1f1b", 2, 4, cluster).step_time + ar[1]
+    )
+    one = replace(cluster, mesh_shape=(1, 2))
+    assert price_schedule(tied, "gpipe", 1, 4, one, cuts=(0,)).step_time == pytest.approx(
+        price_schedule(costs, "gpipe", 1, 4, one, cuts=(0,)).step_time
+    )

@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.capture import Captured
 from autopar.cluster import Cluster
 from autopar.cost_models.buckets import Grad, fused_copies, fused_time
-from autopar.cost_models.comm import Collective, send_recv_time
+from autopar.cost_models.comm import Collective, collective_time, send_recv_time
 from autopar.plan import (
     DEFAULT_COMM,
     SCHEDULES,
@@ -207,7 +207,7 @@ def _simulated(
         stash=[min(p.stash / p.act, 1.0) if p.act else 1.0 for p in stages],
         ready=ready,
     )
-    peak, finish = [], []
+    peak, synced, updates = [], [], []
     for r in range(pp):
         own = [s for s in range(num) if ranks[s] == r]
         mine = [stages[s] for s in own]
@@ -217,10 +217,26 @@ def _simulated(
         done = synced_end(tl.ends[r], [tl.grads_done[s] for s in own], syncs, overlap)
         # the flat buffers' copies
         copies = sum(fused_copies(grads[s], subs[s], back=costs[s].cast_back) for s in own)
-        finish.append(done + copies + sum(p.update for p in mine))  # then its optimizer step
-    step = max(finish)
+        synced.append(done + copies)
+        updates.append(sum(p.update for p in mine))  # then its optimizer step
+    step = max(s + u for s, u in zip(synced, updates, strict=True))
+    tied = _tied_sum(costs, num, cluster)
+    if tied:  # every rank joins the tied gradients' sum over pp, then steps
+        step = max(synced) + tied + max(updates)
     sync = step - tl.step_time
     return PricedSchedule(schedule, cuts, tl, max(peak), step, tuple(times), sync, boundary)
+
+
+def _tied_sum(costs, num: int, cluster: Cluster) -> float:
+    """Seconds of the all-reduce over pp that sums the tied parameters' gradients after
+    the schedule (`LayerCosts.tied`: local shards, or whole tensors where the ranks'
+    stage meshes differ), where the stages are more than one."""
+    local, whole = costs[0].tied
+    if num < 2 or not local:
+        return 0.0
+    nbytes = whole if len({id(c) for c in costs}) > 1 else local
+    axis = cluster.axis_names.index("pp")
+    return collective_time(Collective.ALL_REDUCE, nbytes, axis, cluster)
 
 
 def _gathered(grads: list[list[Grad]], ranks: list[int], ratios: list[float], subs) -> list[float]:
