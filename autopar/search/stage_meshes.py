@@ -36,7 +36,7 @@ from autopar.search.pins import SearchOptions
 
 
 def node_stages(captured: Captured, cuts: list[int]) -> dict[str, int]:
-    """The stage of every node by name: an activation's own (`passes.stages`); a
+    """The stage of every node by name: an activation's own (`assign_stages`); a
     parameter, buffer, constant or anything computed from them alone, the first stage that
     reads it (nothing reads it: the first)."""
     stage_of = {n.name: s for n, s in assign_stages(captured, cuts).items()}
@@ -50,9 +50,9 @@ def node_stages(captured: Captured, cuts: list[int]) -> dict[str, int]:
 
 def merged_plan(captured: Captured, plans: dict[tuple[int, ...], Plan], pipeline: PipelinePlan):
     """The pipeline's plan from each stage mesh shape's (`plans[shape]`, all with
-    `pipeline`'s cuts), each node's and tensor's placements from its stage's rank's shape;
-    the rest (cluster, solver info, memory levers) from the plan of rank 0's shape, with
-    `pipeline`'s rank meshes and the "canonical" boundary."""
+    `pipeline`'s cuts), each node's and tensor's placements and each layer's memory levers
+    from its stage's rank's shape; the rest (cluster, solver info) from the plan of rank
+    0's shape, with `pipeline`'s rank meshes and the "canonical" boundary."""
     stage_of = node_stages(captured, list(pipeline.stage_cuts))
 
     def source(name: str) -> Plan:
@@ -65,21 +65,16 @@ def merged_plan(captured: Captured, plans: dict[tuple[int, ...], Plan], pipeline
     stage_of_layer = [
         sum(c <= i for c in pipeline.stage_cuts[1:]) for i in range(len(pipeline.layers))
     ]
-    plan_of = {
+    levers = {
         layer: plans[pipeline.mesh_of(pipeline.rank_of_stage[stage_of_layer[i]])].memory
         for i, layer in enumerate(pipeline.layers)
     }
     memory = replace(
         base.memory,
         recompute=tuple(
-            (layer, policy)
-            for layer, mem in plan_of.items()
-            for name, policy in mem.recompute
-            if name == layer
+            (k, m.recompute_of(k)) for k, m in levers.items() if k in dict(m.recompute)
         ),
-        reshard_after_forward=tuple(
-            layer for layer, mem in plan_of.items() if layer in mem.reshard_after_forward
-        ),
+        reshard_after_forward=tuple(k for k, m in levers.items() if k in m.reshard_after_forward),
     )
     pipeline = replace(pipeline, boundary="canonical")
     return replace(base, nodes=nodes, tensors=tensors, pipeline=pipeline, memory=memory)
