@@ -187,11 +187,9 @@ class PipelinePlan:
     fast one). "canonical": split on one dim over all the stage's devices in rank order
     (`canonical_spec`), what every stage mesh shape holds alike.
 
-    `rank_meshes`: the stage mesh shape of each pipeline rank, where they differ (Alpa's
-    submesh choice with the device count fixed: the rank holding the embedding or the head
-    on another (dp, tp) than the blocks'); empty: every rank on `stage_mesh`. Every axis
-    keeps its name, so a node's placements read on the mesh of the rank its stage runs on;
-    activations then cross as "canonical"."""
+    `rank_meshes`: per pipeline rank, its stage mesh's shape where they differ (the same
+    devices and axis names in another (dp, tp): a node's placements read on its stage's
+    rank's mesh, activations cross "canonical"); empty: every rank on `stage_mesh`."""
 
     pp: int
     stage_cuts: tuple[int, ...]
@@ -217,7 +215,7 @@ class PipelinePlan:
                 f"rank_meshes {meshes}: one stage mesh per pipeline rank ({self.pp}), every "
                 f"rank {devices} devices on the axes {self.stage_axis_names}"
             )
-        if self.boundary != "canonical" and len(set(meshes)) > 1:
+        if self.boundary != "canonical" and mixed_shapes(meshes):
             raise ValueError("stages on meshes of different shapes cross 'canonical'")
 
     def mesh_of(self, rank: int) -> tuple[int, ...]:
@@ -232,6 +230,10 @@ class PipelinePlan:
 
 
 BOUNDARIES = ("placed", "scattered", "canonical")
+
+
+def mixed_shapes(rank_meshes: tuple[tuple[int, ...], ...]) -> bool:
+    return len(set(rank_meshes)) > 1  # the pipeline ranks' stage meshes differ in shape
 
 
 def canonical_spec(shape: tuple[int, ...], devices: int, ndim: int) -> Spec:
@@ -425,10 +427,9 @@ class Plan:
         return self.pipeline.microbatches if self.pipeline else 1
 
     def on_rank(self, rank: int) -> Plan:
-        """The plan as pipeline rank `rank` reads it: `stage_mesh_shape` its stage mesh's
-        (`PipelinePlan.rank_meshes`)."""
+        """The plan as pipeline rank `rank` reads it (`stage_mesh_shape` its own)."""
         p = self.pipeline
-        if p is None or not p.rank_meshes or p.mesh_of(rank) == p.stage_mesh:
+        if p is None or p.mesh_of(rank) == p.stage_mesh:
             return self
         return replace(self, pipeline=replace(p, stage_mesh=p.mesh_of(rank)))
 

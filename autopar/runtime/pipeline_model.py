@@ -27,7 +27,7 @@ from torch.distributed.tensor import Shard
 from autopar.capture import Captured
 from autopar.passes.precision import ParamBoundary, flat_shard
 from autopar.passes.stages import split_stages
-from autopar.plan import SCHEDULES, Plan, parse_spec, stage_ranks
+from autopar.plan import SCHEDULES, Plan, mixed_shapes, parse_spec, stage_ranks
 from autopar.runtime.memory_stats import optimizer_state_tensors
 from autopar.runtime.optimizer import LossScaler, ParamGather, ParamState
 from autopar.runtime.parallel_model import OptimizerFactory, TrainingSteps
@@ -77,7 +77,7 @@ class PipelineModel(TrainingSteps):
             if self.zero is None
             else GradientScatter(modules, self.mesh, _master_dtype(self.zero), self._tied)
         )
-        if self.zero is not None and len(set(plan.pipeline.rank_meshes)) > 1:
+        if self.zero is not None and mixed_shapes(plan.pipeline.rank_meshes):
             self.sync.complete = set(self._tied)  # summed whole (`_sync_tied_grads`)
         # ZeRO: the working parameters gathered after each step, each stage's waited at
         # its next forward
@@ -298,7 +298,7 @@ class PipelineModel(TrainingSteps):
         axis (non-holders add zeros), as local shards, or where the pipeline ranks' stage
         meshes differ in shape (whose shards differ), as whole gradients."""
         tensors = {t.name: t for t in self.plan.tensors}
-        whole = len(set(self.plan.pipeline.rank_meshes)) > 1
+        whole = mixed_shapes(self.plan.pipeline.rank_meshes)
         for name in self._tied:
             held = []
             for m in self.modules.values():
@@ -444,7 +444,7 @@ def _stage_mesh(world_mesh: DeviceMesh, plan: Plan, pp_rank: int) -> DeviceMesh:
     (`PipelinePlan.rank_meshes`), every process builds the world mesh of each shape (its
     groups are made collectively), in one order, and takes its own rank's."""
     pipeline, names = plan.pipeline, plan.stage_axis_names
-    if len(set(pipeline.rank_meshes)) <= 1:
+    if not mixed_shapes(pipeline.rank_meshes):
         return world_mesh[names]
     meshes = {}
     for shape in sorted(set(pipeline.rank_meshes)):

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.capture import Captured
 from autopar.capture.analysis import layer_order
 from autopar.cluster import Cluster
-from autopar.plan import MemoryPlan, PipelinePlan, Plan, stage_ranks
+from autopar.plan import MemoryPlan, PipelinePlan, Plan, mixed_shapes, stage_ranks
 from autopar.search.inter_op import PipelineOptions, PricedSchedule, solve_pipeline, stage_cluster
 from autopar.search.pins import SearchOptions
 from autopar.search.stage_meshes import merged_plan, on_shape, solve_rank_meshes
@@ -26,7 +26,7 @@ def search_pipeline(
     options: SearchOptions,
     pipeline: PipelineOptions,
 ) -> Plan:
-    if len(set(pipeline.rank_meshes)) > 1:  # pipeline ranks on stage meshes of two shapes
+    if mixed_shapes(pipeline.rank_meshes):  # pipeline ranks on stage meshes of two shapes
         results, best, schedules = solve_rank_meshes(captured, cluster, options, pipeline)
     else:
         result, best, schedules = solve_pipeline(captured, cluster, stage_mesh, options, pipeline)
@@ -71,5 +71,5 @@ def pipeline_plan(
         rank_of_stage=tuple(stage_ranks(best.schedule, pp)),
         timeline=best.timeline.rows,
         boundary=best.boundary,
-        rank_meshes=pipeline.rank_meshes if len(set(pipeline.rank_meshes)) > 1 else (),
+        rank_meshes=pipeline.rank_meshes if mixed_shapes(pipeline.rank_meshes) else (),
     )

@@ -36,7 +36,7 @@ from autopar.capture.analysis import layer_order
 from autopar.capture.export import layer_of
 from autopar.capture.template import Template
 from autopar.cluster import Cluster
-from autopar.plan import DEFAULT_COMM, MemoryPlan, Plan
+from autopar.plan import DEFAULT_COMM, MemoryPlan, Plan, mixed_shapes
 from autopar.search.costs import CostWeights
 from autopar.search.inter_op import (
     PipelineOptions,
@@ -141,7 +141,7 @@ def solve_on_template(
     if known is not None and pipeline.stage_cuts is None and not pipeline.rank_meshes:
         if pipeline.schedule in (None, known[1].schedule):
             return known
-    if len(set(pipeline.rank_meshes)) > 1:  # ({shape: result}, best, schedules)
+    if mixed_shapes(pipeline.rank_meshes):  # ({shape: result}, best, schedules)
         # each shape's stage ILP, kept for the final plan of the layout search's winner
         first = on_shape(cluster, pipeline.rank_meshes[0])  # as the final plan's job has it
         known = template.solved.setdefault(f"stage ILPs {solved_key(first, options, m)}", {})

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autopar.cluster import Cluster
-from autopar.plan import Plan
+from autopar.plan import Plan, mixed_shapes
 from autopar.views.describe import (
     axis_roles,
     describe,
@@ -40,7 +40,7 @@ _GiB = 2**30
 def _stage_meshes_text(plan: Plan) -> str:
     """The stage mesh, or each pipeline rank's where their shapes differ."""
     pipe, names = plan.pipeline, plan.stage_axis_names
-    if len(set(pipe.rank_meshes)) <= 1:
+    if not mixed_shapes(pipe.rank_meshes):
         return _mesh_text(names, plan.stage_mesh_shape)
     return (
         "; ".join(f"rank {r}: {_mesh_text(names, pipe.mesh_of(r))}" for r in range(pipe.pp))
