@@ -52,8 +52,9 @@ from torch._inductor.runtime.cache_dir_utils import (
 from torch._ops import OpOverload
 
 # lowering: DTensor's redistribution costs computed outside the tracing fake mode
-# (`cached_sharding_propagation`).
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+# (`cached_sharding_propagation`); capture: the shapes of a graph made concrete at a
+# microbatch size (`capture.rows.at_rows`) are fake tensors like those export records.
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 # strategies (autopar/passes/strategies): the schema types DTensor's strategy functions
 # take and return (autopar reads DTensor's strategies and writes its own for the fused and
@@ -102,6 +103,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 __all__ = [
     "NO_STRATEGY_ERRORS",
     "DTensorSpec",
+    "FakeTensorMode",
     "FakeStore",
     "LocalTensorMode",
     "MaskPartial",

@@ -73,7 +73,7 @@ def _loss(out, target):
     return nn.functional.cross_entropy(out, target)
 
 
-def _hf_gpt2(depth: int):
+def _hf_gpt2(depth: int, rows: int = 2):
     transformers = pytest.importorskip("transformers")
     from tests.models.hf_gpt2 import VOCAB, LanguageModelLoss
 
@@ -81,7 +81,7 @@ def _hf_gpt2(depth: int):
         vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=depth, n_head=2
     )
     model = LanguageModelLoss(transformers.GPT2LMHeadModel(config))
-    ids = torch.randint(0, VOCAB, (2, 16))
+    ids = torch.randint(0, VOCAB, (rows, 16))
     return model, (ids, ids), None
 
 

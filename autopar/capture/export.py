@@ -115,25 +115,36 @@ class Traced:
         return Traced(fx.GraphModule(self.gm, graph), *specs, dict(self.constants))
 
 
-def capture(model: nn.Module, args: Sequence, loss_fn: Callable | None = None) -> Captured:
-    """Export `model` on the example batch `args` and return the decomposed loss graph."""
+def capture(
+    model: nn.Module,
+    args: Sequence,
+    loss_fn: Callable | None = None,
+    tracer: Callable | None = None,
+) -> Captured:
+    """Export `model` on the example batch `args` and return the decomposed loss graph
+    (`tracer(root, args)` traces it when given: `autopar.capture.rows.AnyRows`)."""
     root = _WithLoss(model, loss_fn) if loss_fn is not None else model
-    return finish(trace(root, args), root, loss_fn is not None)
+    return finish((tracer or trace)(root, args), root, loss_fn is not None)
 
 
 def trace(root: nn.Module, args: Sequence) -> Traced:
     """torch.export of `root` on `args`, decomposed to ATen but for `KEPT_OPS`."""
     ep = _export(root, tuple(args))
+    with warnings.catch_warnings():  # torch's own deepcopy of its pytree specs: not the
+        # user's to fix, and it would print on every capture
+        warnings.filterwarnings("ignore", _TREESPEC_DEPRECATION, FutureWarning)
+        ep = ep.run_decompositions(decompositions())
+    sig = ep.graph_signature
+    return Traced(ep.graph_module, sig.input_specs, sig.output_specs, ep.constants)
+
+
+def decompositions() -> dict:
+    """The table `trace` decomposes with: core ATen but `KEPT_OPS`, BatchNorm as sums."""
     table = torch.export.default_decompositions()
     for op in KEPT_OPS:
         table.pop(op, None)
     table.update(BATCH_NORM_DECOMPOSITIONS)
-    with warnings.catch_warnings():  # torch's own deepcopy of its pytree specs: not the
-        # user's to fix, and it would print on every capture
-        warnings.filterwarnings("ignore", _TREESPEC_DEPRECATION, FutureWarning)
-        ep = ep.run_decompositions(table)
-    sig = ep.graph_signature
-    return Traced(ep.graph_module, sig.input_specs, sig.output_specs, ep.constants)
+    return table
 
 
 def finish(traced: Traced, root: nn.Module, wrapped: bool) -> Captured:

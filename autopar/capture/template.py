@@ -160,15 +160,22 @@ def template_of(model: nn.Module, batch: Sequence, loss_fn: Callable | None) -> 
 
 
 def capture_template(
-    model: nn.Module, args: Sequence, loss_fn: Callable | None = None, keep: int = 2
+    model: nn.Module,
+    args: Sequence,
+    loss_fn: Callable | None = None,
+    keep: int = 2,
+    tracer: Callable | None = None,
 ) -> Template:
+    """The model's first `keep` blocks traced on `args` (by `tracer(root, args)` when
+    given: the layout search's `autopar.capture.rows.AnyRows`, one trace for every
+    microbatch size), the last weighted by the blocks it stands for."""
     stack = block_stack(model)
     if stack is None or len(stack[1]) <= keep:
-        return Template(capture(model, args, loss_fn))
+        return Template(capture(model, args, loss_fn, tracer))
     path, blocks = stack
     root = _WithLoss(model, loss_fn) if loss_fn is not None else model
     with truncated_blocks(model, path, keep):
-        traced = trace(root, args)
+        traced = (tracer or trace)(root, args)
         kept = traced.copy()
         captured = finish(traced, root, loss_fn is not None)
     layers = list(dict.fromkeys(filter(None, map(layer_of, captured.gm.graph.nodes))))

@@ -50,6 +50,7 @@ from torch import nn
 from autopar._compat import shape_only_mesh
 from autopar.capture.analysis import layer_order
 from autopar.capture.export import layer_of
+from autopar.capture.rows import AnyRows
 from autopar.capture.template import Template, capture_template
 from autopar.cluster import Cluster
 from autopar.cost_models import compute
@@ -178,12 +179,15 @@ class _Pricer:
     # microbatch instead of behind the whole backward, the same states.
     pressed: set[tuple[int, int]] = field(default_factory=set)
     following: dict[Layout, Layout] = field(default_factory=dict)  # the next one priced
+    any_rows: AnyRows = field(default_factory=AnyRows)  # one trace for every microbatch size
 
     def template(self, rows: int) -> Template:
         if rows not in self.templates:
             mb = tuple(t[:rows] if t.ndim else t for t in self.batch)
             with phase("capture"):
-                self.templates[rows] = capture_template(self.model, mb, self.loss_fn)
+                self.templates[rows] = capture_template(
+                    self.model, mb, self.loss_fn, tracer=self.any_rows
+                )
         return self.templates[rows]
 
     def prepare_next(self, layout: Layout, bar: float) -> None:

@@ -1,0 +1,169 @@
+"""One trace for every microbatch size: the batch dim exported symbolic, made concrete per size.
+
+    tracer = AnyRows()
+    traced = tracer(root, args)          # args of 16 rows: torch.export with dim 0 symbolic
+    traced = tracer(root, sliced_args)   # 8 rows: the same graph, its sizes evaluated at 8
+
+The layout search prices every microbatch count on a template captured at that count's
+rows, and each `torch.export` + decomposition takes ~0.6-1 s (Llama-3-8B's two-block
+template): five row counts cost as much as its ILPs. Exported once with dim 0 of every
+batch tensor as `torch.export.Dim` (rows 2 to the first call's), the graph holds the rows
+as a symbol; `at_rows` evaluates every size, stride and symbolic scalar of it at a row
+count (~0.05 s) and drops the nodes that computed them, which gives the graph a concrete
+trace at those rows gives (the same ops, arguments and shapes, so the same
+`export.graph_fingerprint` once finished: checked on every sample at 1 to 8 rows in
+tests/test_capture_rows.py).
+
+Where it cannot hold, the call traces as given (`export.trace`): a model whose export
+with a symbolic batch fails or specializes it (a hard-coded `view(16, ...)`, a branch on
+the batch size), rows of 1 (the symbol is exported as at least 2: a `squeeze` would
+differ), rows above the first call's, other shapes than the first call's beyond dim 0,
+or another root. A template only prices: the final plan's graph is built from the
+winner's template and checked against a concrete trace of three blocks
+(`Template._repeats`), or traced.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+
+from autopar._compat import FakeTensorMode
+from autopar.capture.export import Traced, _WithLoss, decompositions, trace
+
+SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+class AnyRows:
+    """`trace(root, args)` at any rows from one export of `root` with dim 0 symbolic (see
+    the module docstring for where it traces as given instead). One instance serves one
+    root: the model (and loss) of one search."""
+
+    def __init__(self) -> None:
+        self.traced: Traced | None = None
+        self.failed = False
+        self._key: tuple | None = None  # (root, shapes beyond dim 0 and dtypes of the args)
+        self._rows = 0  # the largest rows the symbol was exported for
+
+    def __call__(self, root: torch.nn.Module, args: Sequence) -> Traced:
+        rows = _rows_of(args)
+        if rows is None or rows < 2 or self.failed:
+            return trace(root, args)
+        key = (_identity(root), _beyond_rows(args))
+        if self.traced is None:
+            if rows < 3:  # the symbol's range [2, rows] would be one size
+                return trace(root, args)
+            self._key, self._rows = key, rows
+            self.traced = _trace_symbolic(root, args, rows)
+            self.failed = self.traced is None
+            if self.failed:
+                return trace(root, args)
+        if key != self._key or rows > self._rows:
+            return trace(root, args)
+        return at_rows(self.traced, rows)
+
+
+def at_rows(traced: Traced, rows: int) -> Traced:
+    """A copy of `traced` (exported with the batch dim symbolic) at `rows`: every size,
+    stride and symbolic scalar evaluated, the nodes that computed the scalars dropped."""
+    out = traced.copy()
+    graph = out.gm.graph
+    at = {s: rows for s in _symbols(graph)}
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def number(x):
+        if isinstance(x, torch.SymInt):
+            return int(x.node.expr.xreplace(at))
+        if isinstance(x, torch.SymFloat):
+            return float(x.node.expr.xreplace(at))
+        if isinstance(x, torch.SymBool):
+            return bool(x.node.expr.xreplace(at))
+        return x
+
+    def value(v):
+        if isinstance(v, torch.Tensor):
+            size, stride = [number(s) for s in v.shape], [number(s) for s in v.stride()]
+            with mode:
+                return torch.empty_strided(size, stride, dtype=v.dtype, device=v.device)
+        if isinstance(v, (list, tuple)):
+            return type(v)(value(x) for x in v)
+        return number(v)
+
+    scalars: dict[fx.Node, object] = {}
+    for node in list(graph.nodes):
+        val = node.meta.get("val")
+        if node.op == "call_function" and isinstance(val, SYMBOLIC):
+            scalars[node] = number(val)
+            continue
+        if scalars:
+            node.args, node.kwargs = fx.node.map_arg(
+                (node.args, node.kwargs), lambda a: scalars.get(a, a)
+            )
+        if "val" in node.meta:
+            node.meta["val"] = value(val)
+        node.meta.pop("tensor_meta", None)  # sizes of the symbolic graph; nothing reads it
+    for node in reversed(list(scalars)):
+        graph.erase_node(node)
+    out.gm.recompile()
+    return out
+
+
+def _trace_symbolic(root: torch.nn.Module, args: Sequence, rows: int) -> Traced | None:
+    """`root` exported with dim 0 of every batch tensor symbolic (2 to `rows`) and
+    decomposed as `export.trace` does; None where torch.export does not take it so."""
+    dim = torch.export.Dim("rows", min=2, max=rows)
+    dynamic = torch.export.ShapesCollection()  # by tensor: forward(*batch) takes it too
+    for a in args:
+        if _batched(a):
+            dynamic[a] = {0: dim}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            shapes = dynamic.dynamic_shapes(root, tuple(args))
+            ep = torch.export.export(root, tuple(args), dynamic_shapes=shapes, strict=False)
+            ep = ep.run_decompositions(decompositions())
+    except Exception:  # noqa: BLE001 - any refusal means: trace each size as given
+        return None
+    sig = ep.graph_signature
+    return Traced(ep.graph_module, sig.input_specs, sig.output_specs, ep.constants)
+
+
+def _symbols(graph: fx.Graph) -> set:
+    """The symbols in the placeholders' shapes (the rows)."""
+    out: set = set()
+    for node in graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            for size in val.shape:
+                if isinstance(size, torch.SymInt):
+                    out |= size.node.expr.free_symbols
+    return out
+
+
+def _batched(a) -> bool:
+    return isinstance(a, torch.Tensor) and a.ndim > 0
+
+
+def _rows_of(args: Sequence) -> int | None:
+    """The rows every batch tensor shares (dim 0), None if they differ or none has one."""
+    rows = {a.shape[0] for a in args if _batched(a)}
+    return rows.pop() if len(rows) == 1 else None
+
+
+def _beyond_rows(args: Sequence) -> tuple:
+    return tuple((tuple(a.shape[1:]), a.dtype) if _batched(a) else repr(a) for a in args)
+
+
+def _identity(root: torch.nn.Module) -> tuple:
+    """The model (and loss) a root traces: a loss wrapper is made anew for each call."""
+    if isinstance(root, _WithLoss):
+        return (id(root.model), id(root.loss_fn), _blocks(root.model))
+    return (id(root), None, _blocks(root))
+
+
+def _blocks(model: torch.nn.Module) -> tuple:
+    """The module lists' lengths: a template traces the model with its stack cut."""
+    return tuple(len(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList))
