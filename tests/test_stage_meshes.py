@@ -175,3 +175,65 @@ def test_the_tied_gradients_sum_over_pp_is_priced() -> None:
     assert price_schedule(tied, "gpipe", 1, 4, one, cuts=(0,)).step_time == pytest.approx(
         price_schedule(costs, "gpipe", 1, 4, one, cuts=(0,)).step_time
     )
+
+
+def test_when_no_schedule_fits_the_stage_ilps_are_solved_again_under_less() -> None:
+    """`inter_op.fitting_schedules` (uniform pipelines and ranks on several shapes alike):
+    stage ILPs that plan their whole budget, each layer holding half of it, fit no
+    schedule on 2 ranks of two layers; solved again under the budget scaled by what the
+    ranks need (x 0.98), they fit. Never fitting, it gives up after `_RETRIES` re-solves."""
+    from autopar.search.inter_op import _RETRIES, PipelineOptions, fitting_schedules
+    from tests.test_pipeline import _synthetic
+
+    costs, cluster, _ = _synthetic([], layer_forward=1e-3)
+    limit = 2.0**30  # per device: the stage ILPs' budget is both ranks', 2 GiB
+    budgets = []
+
+    def solve(budget: float) -> float:  # the ILP's answer: the memory it planned
+        budgets.append(budget)
+        return budget
+
+    def layers_holding(share: float):
+        def costs_of(planned: float):
+            layer = replace(costs.parts[0], state=planned * share)
+            return replace(costs, parts=(layer,) * 4)
+
+        return costs_of
+
+    pipeline = PipelineOptions(4, "1f1b")
+    answer, best, _ = fitting_schedules(
+        solve, layers_holding(0.5), float, 2, cluster, pipeline, 2 * limit
+    )
+    assert budgets[0] == 2 * limit and len(budgets) == 2 and answer == budgets[1]
+    needed = price_schedule(layers_holding(0.5)(2 * limit), "1f1b", 2, 4, cluster).peak_memory
+    assert needed > limit and budgets[1] == pytest.approx(2 * limit * limit / needed * 0.98)
+    assert best.peak_memory <= limit
+    budgets.clear()
+    with pytest.raises(ValueError, match="no pipeline schedule fits"):
+        fitting_schedules(solve, lambda planned: layers_holding(0.5)(2 * limit), float, 2,
+                          cluster, pipeline, 2 * limit)  # fmt: skip
+    assert len(budgets) == 1 + _RETRIES
+
+
+def test_ranks_on_two_shapes_are_solved_again_when_no_schedule_fits(monkeypatch) -> None:
+    """Under a memory limit the stage ILPs' first answers miss (their budget is both
+    ranks' summed), each shape's ILP is solved again under less: the plan recomputes and
+    fits, where it used to fail."""
+    import autopar
+    from autopar.search import stage_meshes
+    from samples import get_sample
+
+    sample = get_sample("llama")
+    model = sample.build("tiny4", device="meta")
+    batch = sample.example_batch(model, 8, device="meta")
+    budgets = []
+    solve = stage_meshes.solve_intra
+    monkeypatch.setattr(stage_meshes, "solve_intra", lambda *a: budgets.append(a[-1]) or solve(*a))
+    cluster = autopar.Cluster.preset("cpu", mesh=(2, 2, 1), axis_names=("pp", "dp", "tp"))
+    limit = 7.6e5
+    plan = autopar.plan(
+        model, batch, cluster=cluster, strategy=("dp", "tp"), schedule="1f1b", microbatches=4,
+        stage_meshes=((2, 1), (1, 2)), memory_limit=limit,
+    )  # fmt: skip
+    assert budgets[:2] == [2 * limit] * 2 and len(budgets) == 4 and budgets[2] < 2 * limit
+    assert plan.memory.recompute and plan.predicted_peak_memory <= limit

@@ -271,30 +271,48 @@ def solve_pipeline(
     fastest that fits wins. `layers`/`total_layers`: the graph is a template whose layers
     stand for `total_layers` (see `CostWeights`). Raises ValueError when none fits."""
     pp = cluster.axis_size("pp")
-    limit = options.memory_limit or cluster.device.memory_bytes * 0.9
     options, weights, ilp_limit = stage_ilp(cluster, options, pipeline, layers)
+
+    def solve(budget: float) -> IntraOpResult:
+        result = solve_intra(captured, stage_cluster(cluster), stage_mesh, options, weights, budget)
+        with_comm(result)
+        return result
+
+    def costs(result: IntraOpResult) -> LayerCosts:
+        return layer_costs(captured, result).repeated(total_layers or 0)
+
+    return fitting_schedules(solve, costs, _planned, pp, cluster, pipeline, ilp_limit)
+
+
+def _planned(result: IntraOpResult) -> float:
+    """The memory the stage ILP planned (its budget's share used)."""
+    return result.memory
+
+
+def fitting_schedules(solve, costs, memory, pp, cluster, pipeline, ilp_limit):
+    """(answers, best, {schedule: step}): `solve(budget)` the stage ILPs' answers under a
+    budget (every rank's, summed), `costs(answers)` each rank's `LayerCosts` (one, or a
+    tuple per rank), every schedule (or the pinned one) priced, the fastest that fits
+    wins. When none fits, the ILPs are solved again under a budget smaller in proportion
+    to what the ranks need (`memory(answers)`: what the ILPs planned; recompute, reshard,
+    more sharding), `_RETRIES` times while they can. ValueError when none fits."""
+    limit = ilp_limit / pp
     candidates = [pipeline.schedule] if pipeline.schedule else list(SCHEDULES)
-    result = solve_intra(captured, stage_cluster(cluster), stage_mesh, options, weights, ilp_limit)
-    with_comm(result)
+    answers = solve(ilp_limit)
     for attempt in range(_RETRIES + 1):
-        lc = layer_costs(captured, result).repeated(total_layers or 0)
-        priced, failures, least = price_schedules(lc, candidates, pp, cluster, pipeline, limit)
+        found = price_schedules(costs(answers), candidates, pp, cluster, pipeline, limit)
+        priced, failures, least = found
         if priced or attempt == _RETRIES or not math.isfinite(least):
             break
-        # the ranks need `least`: ask the ILP for proportionally less (recompute, reshard,
-        # more sharding), while it can
-        ilp_limit = min(ilp_limit, result.memory) * limit / least * 0.98
+        ilp_limit = min(ilp_limit, memory(answers)) * limit / least * 0.98
         try:
-            result = solve_intra(
-                captured, stage_cluster(cluster), stage_mesh, options, weights, ilp_limit
-            )
+            answers = solve(ilp_limit)
         except MemoryInfeasible:
             break
-        with_comm(result)
     if not priced:
         raise ValueError("no pipeline schedule fits: " + "; ".join(failures))
     best = min(priced, key=lambda p: p.step_time)
-    return result, best, {p.schedule: p.step_time for p in priced}
+    return answers, best, {p.schedule: p.step_time for p in priced}
 
 
 _RETRIES = 2  # ILP re-solves under a tighter budget when no schedule fits

@@ -21,17 +21,17 @@ from autopar._compat import shape_only_mesh
 from autopar.capture import Captured
 from autopar.capture.analysis import assign_stages
 from autopar.cluster import Cluster
-from autopar.plan import SCHEDULES, PipelinePlan, Plan, stage_ranks
+from autopar.plan import PipelinePlan, Plan, stage_ranks
 from autopar.search.inter_op import (
     PipelineOptions,
     PricedSchedule,
-    price_schedules,
+    fitting_schedules,
     stage_cluster,
     stage_ilp,
     with_comm,
 )
 from autopar.search.intra_op import IntraOpResult, solve_intra
-from autopar.search.layer_costs import layer_costs
+from autopar.search.layer_costs import LayerCosts, layer_costs
 from autopar.search.pins import SearchOptions
 
 
@@ -100,29 +100,34 @@ def solve_rank_meshes(
     (`pipeline.rank_meshes`): one stage ILP per shape (the same weights and budget), each
     rank's stages priced on its shape's answer, the activations crossing "canonical"; the
     fastest schedule that fits wins. ({shape: its ILP's answer}, best, {schedule: step});
-    ValueError when none fits. `known`: ILP answers by shape, for these same problems
+    ValueError when none fits; solved again under a smaller budget while none fits, as
+    `solve_pipeline` does. `known`: ILP answers by (shape, budget), for these same problems
     (the ones solved here are added)."""
-    pp = cluster.axis_size("pp")
     names = stage_cluster(cluster).axis_names
     options, weights, ilp_limit = stage_ilp(cluster, options, pipeline, layers)
-    results, costs = {}, {}
     known = {} if known is None else known
-    for shape in dict.fromkeys(pipeline.rank_meshes):
-        if shape not in known:
-            sub = stage_cluster(on_shape(cluster, shape))
-            mesh = shape_only_mesh("cpu", shape, names)
-            known[shape] = solve_intra(captured, sub, mesh, options, weights, ilp_limit)
-            with_comm(known[shape])
-        results[shape] = known[shape]
-        costs[shape] = layer_costs(captured, results[shape]).repeated(total_layers or 0)
-    per_rank = tuple(costs[shape] for shape in pipeline.rank_meshes)
-    candidates = [pipeline.schedule] if pipeline.schedule else list(SCHEDULES)
-    limit = ilp_limit / pp
-    priced, failures, _ = price_schedules(per_rank, candidates, pp, cluster, pipeline, limit)
-    if not priced:
-        raise ValueError("no pipeline schedule fits: " + "; ".join(failures))
-    best = min(priced, key=lambda p: p.step_time)
-    return results, best, {p.schedule: p.step_time for p in priced}
+    shapes = list(dict.fromkeys(pipeline.rank_meshes))
+
+    def solve(budget: float) -> dict[tuple[int, ...], IntraOpResult]:
+        for shape in shapes:
+            if (shape, budget) not in known:
+                sub = stage_cluster(on_shape(cluster, shape))
+                mesh = shape_only_mesh("cpu", shape, names)
+                known[shape, budget] = solve_intra(captured, sub, mesh, options, weights, budget)
+                with_comm(known[shape, budget])
+        return {shape: known[shape, budget] for shape in shapes}
+
+    def costs(results: dict) -> tuple[LayerCosts, ...]:
+        by_shape = {
+            s: layer_costs(captured, r).repeated(total_layers or 0) for s, r in results.items()
+        }
+        return tuple(by_shape[shape] for shape in pipeline.rank_meshes)
+
+    def memory(results: dict) -> float:
+        return max(r.memory for r in results.values())
+
+    pp = cluster.axis_size("pp")
+    return fitting_schedules(solve, costs, memory, pp, cluster, pipeline, ilp_limit)
 
 
 def rank_variants(
