@@ -155,21 +155,34 @@ def test_the_tied_gradients_sum_over_pp_is_priced() -> None:
     local shard, or of the whole tensor where the ranks' stage meshes differ; then steps.
     An untied model (Llama) pays nothing; nor does a pipeline of one stage."""
     from autopar.cost_models.comm import Collective, collective_time
+    from autopar.cost_models.reshard import launch
     from autopar.search.layer_costs import layer_costs
     from tests.test_pipeline import _solved_gpt_pipeline, _synthetic
 
     model, _, captured, (result, _, _) = _solved_gpt_pipeline("dp", "dp")
-    assert layer_costs(captured, result).tied == (model.wte.weight.numel() * 4,) * 2  # dp: whole
+    whole = model.wte.weight.numel() * 4
+    assert layer_costs(captured, result).tied == (whole, whole, 0.0)  # dp: whole, no gather
+    model, job, captured, (result, _, _) = _solved_gpt_pipeline("tp", "tp")
+    local, whole, gather = layer_costs(captured, result).tied  # tp: split over 2 devices
+    assert (local, whole) == (whole / 2, model.wte.weight.numel() * 4)
+    sub = stage_cluster(job.cluster)  # its gradient gathered whole over tp: one all-gather
+    gathered = collective_time(Collective.ALL_GATHER, whole, 0, sub)
+    assert gather == pytest.approx(gathered + launch(Collective.ALL_GATHER, 0, sub))
 
     costs, cluster, _ = _synthetic([], layer_forward=1e-3)
     mib = float(2**20)
-    tied = replace(costs, tied=(mib, 4 * mib))
+    tied = replace(costs, tied=(mib, 4 * mib, 2e-3))
     ar = [collective_time(Collective.ALL_REDUCE, b, 0, cluster) for b in (mib, 4 * mib)]
     base = price_schedule(costs, "1f1b", 2, 4, cluster).step_time
     assert price_schedule(tied, "1f1b", 2, 4, cluster).step_time == pytest.approx(base + ar[0])
-    mixed = price_schedule((tied, _slower(tied, 1.0)), "1f1b", 2, 4, cluster)
+    # ranks of two shapes: each gathers its whole gradient on its stage mesh (the slower
+    # waited), then the whole tensors' all-reduce
+    other = replace(_slower(tied, 1.0), tied=(2 * mib, 4 * mib, 5e-3))
+    mixed = price_schedule((tied, other), "1f1b", 2, 4, cluster)
     assert mixed.step_time == pytest.approx(
-        price_schedule((costs, _slower(costs, 1.0)), "1f1b", 2, 4, cluster).step_time + ar[1]
+        price_schedule((costs, _slower(costs, 1.0)), "1f1b", 2, 4, cluster).step_time
+        + 5e-3
+        + ar[1]
     )
     one = replace(cluster, mesh_shape=(1, 2))
     assert price_schedule(tied, "gpipe", 1, 4, one, cuts=(0,)).step_time == pytest.approx(

@@ -229,14 +229,17 @@ def _simulated(
 
 def _tied_sum(costs, num: int, cluster: Cluster) -> float:
     """Seconds of the all-reduce over pp that sums the tied parameters' gradients after
-    the schedule (`LayerCosts.tied`: local shards, or whole tensors where the ranks'
-    stage meshes differ), where the stages are more than one."""
-    local, whole = costs[0].tied
+    the schedule (`LayerCosts.tied`: local shards; where the ranks' stage meshes differ,
+    whole tensors, each holding rank first gathering its own on its stage mesh), where the
+    stages are more than one."""
+    local, whole, _ = costs[0].tied
     if num < 2 or not local:
         return 0.0
-    nbytes = whole if len({id(c) for c in costs}) > 1 else local
     axis = cluster.axis_names.index("pp")
-    return collective_time(Collective.ALL_REDUCE, nbytes, axis, cluster)
+    if len({id(c) for c in costs}) == 1:
+        return collective_time(Collective.ALL_REDUCE, local, axis, cluster)
+    gathered = max(costs[0].tied[2], costs[-1].tied[2])  # the first and last stages hold them
+    return gathered + collective_time(Collective.ALL_REDUCE, whole, axis, cluster)
 
 
 def _gathered(grads: list[list[Grad]], ranks: list[int], ratios: list[float], subs) -> list[float]:

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from itertools import groupby
 
+from torch.distributed.tensor import Replicate
+
 from autopar.capture import Captured
 from autopar.capture.analysis import batch_dependent, layer_order
 from autopar.capture.export import layer_of
@@ -22,6 +24,7 @@ from autopar.cluster import Cluster
 from autopar.cost_models.buckets import Grad, collective_times
 from autopar.cost_models.comm import Collective
 from autopar.cost_models.memory import local_numel
+from autopar.cost_models.reshard import reshard_seconds
 from autopar.plan import CommPlan
 from autopar.search.crossing import Crossing, crossing
 from autopar.search.intra_op import IntraOpResult
@@ -83,10 +86,11 @@ class LayerCosts:
     # cast back into them (`runtime.stage_grads`; else they are the buffer's slices)
     cast_back: bool = False
     stage: Cluster | None = None  # the stage mesh priced on (None: the pipeline's stage mesh)
-    # bytes of the parameters read before the first layer and after the last (an embedding
-    # tied to the head), (local, whole): their gradients are summed over pp after the
-    # schedule (`runtime.pipeline_model._sync_tied_grads`; whole across stage mesh shapes)
-    tied: tuple[float, float] = (0.0, 0.0)
+    # the parameters read before the first layer and after the last (an embedding tied to
+    # the head): (local bytes, whole bytes, seconds of gathering them whole on this stage
+    # mesh); their gradients are summed over pp after the schedule
+    # (`runtime.pipeline_model._sync_tied_grads`; gathered whole across stage mesh shapes)
+    tied: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     @property
     def time(self) -> list[float]:
@@ -155,15 +159,16 @@ def layer_costs(captured: Captured, result: IntraOpResult) -> LayerCosts:
 
 
 def tied_bytes(captured: Captured, result: IntraOpResult, itemsize: int | None) -> tuple:
-    """(local, whole) bytes of the parameters both the part before the first layer and the
-    part after the last read (through weight-only nodes): a pipeline's first and last
-    stages each hold them. `itemsize`: the gradients' (None: the parameters')."""
+    """(local bytes, whole bytes, seconds of their redistribution to whole on the stage
+    mesh) of the parameters both the part before the first layer and the part after the
+    last read (through weight-only nodes): a pipeline's first and last stages each hold
+    them. `itemsize`: the gradients' (None: the parameters')."""
     batch, where, seen = batch_dependent(captured), {}, False
     for n in captured.gm.graph.nodes:
         if n.op == "call_function" and n in batch:
             seen = seen or layer_of(n) is not None
             where[n] = layer_of(n) or ("post" if seen else "pre")
-    local = whole = 0.0
+    local = whole = gather = 0.0
     for p in captured.placeholders():
         if p.name not in captured.params or p not in result.chosen:
             continue
@@ -180,7 +185,9 @@ def tied_bytes(captured: Captured, result: IntraOpResult, itemsize: int | None) 
             spec = result.chosen[p].outputs[0]
             local += local_numel(tuple(val.shape), spec, result.ctx.mesh_shape) * size
             whole += val.numel() * size
-    return local, whole
+            everywhere = (Replicate(),) * len(spec)
+            gather += reshard_seconds(result.ctx.cluster, tuple(spec), everywhere, val.shape, size)
+    return local, whole, gather
 
 
 def _grads(result: IntraOpResult, n, pos: int, op) -> list[Grad]:
