@@ -180,9 +180,7 @@ def test_the_tied_gradients_sum_over_pp_is_priced() -> None:
     other = replace(_slower(tied, 1.0), tied=(2 * mib, 4 * mib, 5e-3))
     mixed = price_schedule((tied, other), "1f1b", 2, 4, cluster)
     assert mixed.step_time == pytest.approx(
-        price_schedule((costs, _slower(costs, 1.0)), "1f1b", 2, 4, cluster).step_time
-        + 5e-3
-        + ar[1]
+        price_schedule((costs, _slower(costs, 1.0)), "1f1b", 2, 4, cluster).step_time + 5e-3 + ar[1]
     )
     one = replace(cluster, mesh_shape=(1, 2))
     assert price_schedule(tied, "gpipe", 1, 4, one, cuts=(0,)).step_time == pytest.approx(
