@@ -140,7 +140,8 @@ def _check_schedule(gm, lowered) -> None:
     pos = {n: i for i, n in enumerate(nodes)}
     copy_in = set()  # what only feeds collectives (the prefetched gather's flat input)
     for n in reversed(nodes):
-        if n.users and all(_is_comm(u) and u.target not in WAITS or u in copy_in for u in n.users):
+        packs = n.target in UNPACK or n.target is torch.ops.aten.cat.default
+        if packs and all(_is_comm(u) and u.target not in WAITS or u in copy_in for u in n.users):
             copy_in.add(n)
     for c in _starts(gm):
         wait = next(iter(c.users))
@@ -197,8 +198,13 @@ def _is_comm(n) -> bool:
 
 
 def _prefetched(c, nodes, copy_in) -> bool:
-    i = nodes.index(c) - 1
-    while nodes[i] in copy_in or _is_comm(nodes[i]) and nodes[i].target not in WAITS:
+    i = nodes.index(c) - 1  # back over copies in, collectives, the last result's unpacking
+    while (
+        nodes[i] in copy_in
+        or nodes[i].target in UNPACK
+        or _is_comm(nodes[i])
+        and (nodes[i].target not in WAITS)
+    ):
         i -= 1
     first = not any("all_gather" in str(n.target) for n in nodes[: i + 1])
     return "all_gather" in str(c.target) and (nodes[i].target in WAITS or first)
@@ -282,6 +288,38 @@ def test_zero_shards_are_bucketed_without_copies(fake_group) -> None:
     fused = scatters(_program("dp", CommOptions(), zero=True))
     assert len(plain) >= 20 and not any(_copied(next(iter(n.users))) for n in plain)
     assert 1 <= len(fused) <= 3 and not any(_copied(next(iter(n.users))) for n in fused)
+
+
+def test_fsdp_gathers_each_weight_as_stored(fake_group) -> None:
+    """FSDP splits a Linear's weight on dim 0, so `t(weight)` is split on dim 1: gathered as
+    DTensor gathers an inner dim, its shard is copied contiguous, and the result cut and
+    re-joined; the backward again around the reduce-scatter, and the gradient came back
+    transposed. Gathered as the weight (`lower._gathered_then_permuted`): each all-gather
+    reads its shard in place, nothing re-joins its result, every gradient is contiguous."""
+    gm = _program("fsdp", OFF)
+    gathers = [n for n in _starts(gm) if n.target is ALL_GATHER and not is_backward(n)]
+    assert len(gathers) >= 10
+    for n in gathers:
+        src = n.args[0]
+        while src.op == "call_function" and src.target in VIEWS:
+            src = src.args[0]
+        assert src.op == "placeholder", (n.name, src.name)  # no copy before the gather
+        wait = next(iter(n.users))
+        assert not any(u.target is torch.ops.aten.cat.default for u in _through_views(wait))
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    grads = [a for a in out.args[0][1:] if a is not None]
+    assert grads and all(g.meta["val"].is_contiguous() for g in grads)
+
+
+def _through_views(n) -> list:
+    """The nodes reading `n`, directly or through views (`passes.comm.VIEWS`)."""
+    out, todo = [], list(n.users)
+    while todo:
+        u = todo.pop()
+        out.append(u)
+        if u.target in VIEWS:
+            todo += list(u.users)
+    return out
 
 
 @pytest.mark.multiproc

@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autopar._compat import (
     cached_sharding_propagation,
@@ -78,6 +78,9 @@ class PlacedInterpreter(fx.Interpreter):
         self.mesh = mesh
         self.node_plans = {n.name: n for n in plan.nodes}
         self.replicated = tuple(Replicate() for _ in range(mesh.ndim))
+        # id of a transposed DTensor -> (it, its source, the permutation): where a gather of
+        # it splits an inner dim, the source is gathered instead (`_gathered_then_permuted`)
+        self.permuted: dict[int, tuple[DTensor, DTensor, list[int]]] = {}
 
     def run_node(self, n: fx.Node):
         tag_layer(layer_of(n))  # what recompute_activations reads off the traced nodes
@@ -98,7 +101,11 @@ class PlacedInterpreter(fx.Interpreter):
             out = _ShardSafeView.apply(_viewable(args[0]), args[1])
         else:
             out = n.target(*args, **kwargs)
-        return self._check_output(n, out, node_plan)
+        out = self._check_output(n, out, node_plan)
+        dims = permutation(n, args)
+        if dims is not None and isinstance(out, DTensor) and isinstance(args[0], DTensor):
+            self.permuted[id(out)] = (out, args[0], dims)
+        return out
 
     def _place(self, value: torch.Tensor, want, has_dtensor: bool) -> torch.Tensor:
         if not isinstance(value, DTensor):
@@ -116,6 +123,11 @@ class PlacedInterpreter(fx.Interpreter):
             for w, c in zip(want, value.placements, strict=True)
         ):
             return value  # a Partial of another kind (e.g. the embedding's masked sum) is kept
+        found = self.permuted.get(id(value))
+        if found is not None and found[0] is value:
+            moved = _gathered_then_permuted(found[1], value, found[2], want)
+            if moved is not None:
+                return moved
         return value.redistribute(self.mesh, want)
 
     def _check_output(self, n: fx.Node, out, node_plan) -> object:
@@ -160,6 +172,44 @@ class _ReplicateToPartial(torch.autograd.Function):
 
 
 VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def permutation(n: fx.Node, args) -> list[int] | None:
+    """Output dim i = input dim `dims[i]` of a transposing node (None for any other)."""
+    if n.target is torch.ops.aten.permute.default:
+        return [d % len(args[1]) for d in args[1]]
+    if n.target is torch.ops.aten.t.default and args[0].ndim == 2:
+        return [1, 0]
+    if n.target is torch.ops.aten.transpose.int:
+        ndim = args[0].ndim
+        a, b = args[1] % ndim, args[2] % ndim
+        dims = list(range(ndim))
+        dims[a], dims[b] = b, a
+        return dims
+    return None
+
+
+def _gathered_then_permuted(source: DTensor, value: DTensor, dims: list[int], want):
+    """`value` (= `source` permuted by `dims`) redistributed to `want` as `source`
+    gathered, then permuted; None where that gains nothing. DTensor gathers a shard of an
+    inner dim into a contiguous copy of it, then cuts and re-joins the result along that
+    dim (and its backward the same around the reduce-scatter); a Linear's `t(weight)` under
+    FSDP is split on dim 1 where the weight is split on dim 0: gathered as the weight, its
+    shard is read in place, the result needs no re-join, and the gradient reaches the
+    weight contiguous. The same collectives of the same bytes: priced alike."""
+    have, placed = value.placements, source.placements
+    inner = any(
+        type(p) is Shard and p.dim != 0 and dims[p.dim] == 0 and w == Replicate()
+        for p, w in zip(have, want, strict=True)
+    )
+    plain = all(type(p) in (Shard, Replicate) for p in (*have, *want, *placed))
+    split = [p.dim for p in placed if type(p) is Shard]
+    if not (inner and plain) or len(set(split)) != len(split):
+        return None  # nested splits of one dim: DTensor orders them (strided shards)
+    mapped = tuple(Shard(dims[p.dim]) if type(p) is Shard else p for p in want)
+    return torch.ops.aten.permute.default(source.redistribute(source.device_mesh, mapped), dims)
+
+
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 
