@@ -197,15 +197,19 @@ def _gathered_then_permuted(source: DTensor, value: DTensor, dims: list[int], wa
     FSDP is split on dim 1 where the weight is split on dim 0: gathered as the weight, its
     shard is read in place, the result needs no re-join, and the gradient reaches the
     weight contiguous. The same collectives of the same bytes: priced alike."""
-    have, placed = value.placements, source.placements
-    inner = any(
-        type(p) is Shard and p.dim != 0 and dims[p.dim] == 0 and w == Replicate()
-        for p, w in zip(have, want, strict=True)
+    moves = [(p, w) for p, w in zip(value.placements, want, strict=True) if p != w]
+    inner = all(
+        type(p) is Shard and p.dim != 0 and dims[p.dim] == 0 and w == Replicate() for p, w in moves
     )
-    plain = all(type(p) in (Shard, Replicate) for p in (*have, *want, *placed))
+    # only the gathered axes split the source: where another axis splits it too (FSDP x
+    # TP's weights) DTensor's program around it was seen to corrupt gloo's heap
+    # (llama small fsdp x tp on 4 gloo ranks, 2 runs of 5), so those keep DTensor's way
+    placed = source.placements
+    alone = all(p == Replicate() or w == Replicate() for p, w in zip(placed, want, strict=True))
+    plain = all(type(p) in (Shard, Replicate) for p in placed)
     split = [p.dim for p in placed if type(p) is Shard]
-    if not (inner and plain) or len(set(split)) != len(split):
-        return None  # nested splits of one dim: DTensor orders them (strided shards)
+    if not (moves and inner and alone and plain) or len(set(split)) != len(split):
+        return None  # (nested splits of one dim: DTensor orders them, strided shards)
     mapped = tuple(Shard(dims[p.dim]) if type(p) is Shard else p for p in want)
     return torch.ops.aten.permute.default(source.redistribute(source.device_mesh, mapped), dims)
 
