@@ -191,7 +191,7 @@ def permutation(n: fx.Node, args) -> list[int] | None:
 
 def _gathered_then_permuted(source: DTensor, value: DTensor, dims: list[int], want):
     """`value` (= `source` permuted by `dims`) redistributed to `want` as `source`
-    gathered, then permuted; None where that gains nothing. DTensor gathers a shard of an
+    gathered, then permuted; None where that gains nothing or is not done (below). DTensor gathers a shard of an
     inner dim into a contiguous copy of it, then cuts and re-joins the result along that
     dim (and its backward the same around the reduce-scatter); a Linear's `t(weight)` under
     FSDP is split on dim 1 where the weight is split on dim 0: gathered as the weight, its

@@ -232,13 +232,13 @@ def _tied_sum(costs, num: int, cluster: Cluster) -> float:
     the schedule (`LayerCosts.tied`: local shards; where the ranks' stage meshes differ,
     whole tensors, each holding rank first gathering its own on its stage mesh), where the
     stages are more than one."""
-    local, whole, _ = costs[0].tied
+    local, whole, first_gather = costs[0].tied
     if num < 2 or not local:
         return 0.0
     axis = cluster.axis_names.index("pp")
     if len({id(c) for c in costs}) == 1:
         return collective_time(Collective.ALL_REDUCE, local, axis, cluster)
-    gathered = max(costs[0].tied[2], costs[-1].tied[2])  # the first and last stages hold them
+    gathered = max(first_gather, costs[-1].tied[2])  # the first and last stages hold them
     return gathered + collective_time(Collective.ALL_REDUCE, whole, axis, cluster)
 
 
