@@ -42,7 +42,7 @@ import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autopar.devices import local_preset, process_group_device
@@ -146,6 +146,15 @@ class Cluster:
     backend: str = "nccl"
     devices_per_node: int = 8
     fabric: Fabric | None = None  # presets know it; lets the search re-mesh the devices
+    # the fields' hash, taken once: the cost models' memos key on the cluster per lookup
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):  # rebuilt where unpickled: string hashes differ between processes
+        fields = (self.device, self.mesh_shape, self.axis_names, self.links, self.backend)
+        return Cluster, (*fields, self.devices_per_node, self.fabric)
 
     def __post_init__(self) -> None:
         mesh = tuple(self.mesh_shape)
@@ -174,6 +183,8 @@ class Cluster:
         object.__setattr__(self, "axis_names", names)
         object.__setattr__(self, "links", links)
         object.__setattr__(self, "devices_per_node", int(self.devices_per_node))
+        fields = (self.device, mesh, names, links, self.backend, self.devices_per_node)
+        object.__setattr__(self, "_hash", hash((*fields, self.fabric)))
 
     # ---------------------------------------------------------------- queries
     @property

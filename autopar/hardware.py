@@ -35,10 +35,11 @@ _DEVICE_FIELDS = (
 class _FrozenMap(Mapping[str, float]):
     """Read-only, hashable ``dict`` replacement (a frozen dataclass must stay hashable)."""
 
-    __slots__ = ("_d",)
+    __slots__ = ("_d", "_hash")
 
     def __init__(self, items: Mapping[str, float]) -> None:
         self._d = dict(items)
+        self._hash = hash(frozenset(self._d.items()))  # read by every priced collective's memo
 
     def __getitem__(self, key: str) -> float:
         return self._d[key]
@@ -50,7 +51,10 @@ class _FrozenMap(Mapping[str, float]):
         return len(self._d)
 
     def __hash__(self) -> int:
-        return hash(frozenset(self._d.items()))
+        return self._hash
+
+    def __reduce__(self):  # rebuilt where unpickled: string hashes differ between processes
+        return _FrozenMap, (self._d,)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Mapping) and dict(self._d) == dict(other)

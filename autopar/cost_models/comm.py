@@ -122,19 +122,30 @@ def collective_time(
     kind: Collective | str, nbytes: float, axis: int | str, cluster: Cluster
 ) -> float:
     """Seconds for collective ``kind`` on ``nbytes`` (unsharded over ``axis``) along ``axis``."""
+    terms = _algorithm_terms(kind, axis, cluster)
+    if not terms or nbytes <= 0:
+        return 0.0
+    return min(latency + volume * float(nbytes) / beta for latency, volume, beta in terms)
+
+
+@lru_cache(maxsize=4096)
+def _algorithm_terms(kind, axis, cluster: Cluster) -> tuple[tuple[float, float, float], ...]:
+    """(seconds of latency, volume factor, bytes/s) of each algorithm of ``kind`` along
+    ``axis`` (`algorithm_factors`); () where it moves nothing (one rank, a local step).
+    Read once per (kind, axis, cluster): the search prices collectives by the million."""
     try:
         kind = Collective(kind)
     except ValueError:
         kinds = [k.value for k in Collective]
         raise ValueError(f"unknown collective {kind!r}; expected one of {kinds}") from None
     n = cluster.axis_size(axis)
-    if n == 1 or nbytes <= 0 or kind is Collective.LOCAL:
-        return 0.0
+    if n == 1 or kind is Collective.LOCAL:
+        return ()
     link = cluster.link(axis)
     moved = volume_kind(kind, cluster.backend).value
     beta, alpha = link.kind_bandwidth(moved), link.latency_of(moved)
-    return min(
-        steps * alpha + volume * float(nbytes) / beta
+    return tuple(
+        (steps * alpha, volume, beta)
         for steps, volume in algorithm_factors(kind, n, cluster.backend)
     )
 
