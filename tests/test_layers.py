@@ -44,6 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (
         "autopar.passes.lower",
         "autopar.passes.comm",
+        "autopar.passes.comm_buckets",
         "autopar.passes.shape_reads",
         "autopar.passes.in_place",
         "autopar.passes.fusion",

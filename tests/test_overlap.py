@@ -311,6 +311,36 @@ def test_fsdp_gathers_each_weight_as_stored(fake_group) -> None:
     assert grads and all(g.meta["val"].is_contiguous() for g in grads)
 
 
+def test_a_reduction_read_by_its_next_step_is_bucketed(fake_group) -> None:
+    """FSDP x TP: a norm weight's gradient is reduce-scattered over dp, then all-reduced
+    over tp (the all-reduces bucketed). Each reduce-scatter is read by its all-reduce, not
+    by the output; it is bucketed too, read where the all-reduces' bucket goes out
+    (`passes.comm_buckets.bucket`): one launch for them instead of one per norm weight."""
+    from autopar.passes.comm import REDUCE_SCATTER
+    from autopar.passes.comm_buckets import _readers
+
+    model, batch = load_model("gpt", "tiny", 8, seed=0)
+    cluster = autopar.Cluster.local(mesh=(2, 2), axis_names=("dp", "tp"))
+    options = PlanOptions(strategy=("fsdp", "tp"))
+    plan, captured, mesh = plan_for_ranks(model, batch, cluster, None, options, None)
+
+    def feeding(comm) -> list:  # reduce-scatters read by a collective (or a bucket's cat)
+        gm = ParallelModel(model, captured, plan, mesh, comm=comm).program.gm
+        out = []
+        for n in _starts(gm):
+            if n.target is not REDUCE_SCATTER or not is_backward(n):
+                continue
+            readers = _readers(next(iter(n.users)))
+            cat = torch.ops.aten.cat.default
+            reads = readers | {u for r in readers if r.target is cat for u in r.users}
+            if any(_is_comm(r) for r in reads):
+                out.append(n)
+        return out
+
+    assert len(feeding(OFF)) >= 8
+    assert len(feeding(CommOptions())) <= len(feeding(OFF)) // 2
+
+
 def _through_views(n) -> list:
     """The nodes reading `n`, directly or through views (`passes.comm.VIEWS`)."""
     out, todo = [], list(n.users)
