@@ -242,3 +242,32 @@ def test_levers_pinned_off_keep_the_objective_exactly(captured, strategy) -> Non
     assert after.memory >= before.memory  # + gathered weight copies kept until backward
     if strategy == "dp":
         assert after.memory == before.memory
+
+
+def test_levers_priced_once_for_every_scale_equal_each_scale_alone(captured) -> None:
+    """`add_levers_at_scales` prices the lever terms once and applies the gathers' scale
+    per problem: each problem equals `add_levers` of that problem and scale alone, to the
+    last bit (the ILP breaks exact ties by the order and values of its coefficients)."""
+    from autopar.capture.analysis import batch_dependent
+    from autopar.passes.strategies import enumerate_strategies
+    from autopar.search.costs import CostContext
+    from autopar.search.intra_op import build_decisions, price_scales, share_layers
+    from autopar.search.levers import add_levers, add_levers_at_scales
+    from autopar.search.pins import apply_pins
+
+    graph, cluster = captured
+    scales = ((1.0, 1.0), (0.3, 1.0), (2.0, 0.5))
+    with fake_group(cluster.world_size):
+        mesh = cluster.device_mesh(device_type="cpu")
+        strats = apply_pins(graph, enumerate_strategies(graph.gm, mesh), SearchOptions(), mesh)
+        ctx = CostContext(cluster, batch_dependent=batch_dependent(graph))
+        dec = build_decisions(graph.gm, strats, ctx)
+        rep = share_layers(dec, strats)
+        priced = price_scales(dec, rep, strats, ctx, 1e30, 30.0, scales)
+        index = {r: priced[0][1][r] for r in set(rep)}
+        pairs = [(p, s) for s, (p, _) in zip(scales, priced, strict=True)]
+        together = add_levers_at_scales(dec, rep, index, strats, ctx, pairs)
+        alone = [add_levers(dec, rep, index, strats, ctx, p, comm_scale=s) for p, s in pairs]
+    assert [p for p, _ in together] == [p for p, _ in alone]
+    assert together[0][0].gated != together[1][0].gated  # the regathers' scale is applied
+    assert all(lv == alone[0][1] for _, lv in together)

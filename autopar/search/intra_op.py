@@ -76,7 +76,7 @@ from autopar.search.levers import (
     CHOICES,
     WEIGHT_NOT_SAVED,
     Levers,
-    add_levers,
+    add_levers_at_scales,
     gathered_bytes,
     layer_summary,
 )
@@ -373,22 +373,21 @@ def _build_problem(captured, cluster, strats, options, weights, memory_limit, sc
     dec = build_decisions(captured.gm, strats, ctx)
     rep = share_layers(dec, strats) if options.share_layers else list(range(len(dec.items)))
     limit = memory_limit or options.memory_limit or cluster.device.memory_bytes * 0.9
-    problems = []
     priced = price_scales(dec, rep, strats, ctx, limit, options.time_limit_s, scales)
-    for scale, (problem, var_of) in zip(scales, priced, strict=True):
-        index = {r: var_of[r] for r in set(rep)}
-        problem, levers = add_levers(
-            dec,
-            rep,
-            index,
-            strats,
-            ctx,
-            problem,
-            recompute=options.activation_checkpointing,
-            reshard=options.reshard_after_forward,
-            comm_scale=scale,
-        )
-        problems.append(problem)
+    var_of = priced[0][1]  # the same at every scale
+    index = {r: var_of[r] for r in set(rep)}
+    with_levers = add_levers_at_scales(
+        dec,
+        rep,
+        index,
+        strats,
+        ctx,
+        [(problem, scale) for scale, (problem, _) in zip(scales, priced, strict=True)],
+        recompute=options.activation_checkpointing,
+        reshard=options.reshard_after_forward,
+    )
+    problems = [problem for problem, _ in with_levers]
+    levers = with_levers[0][1]
     return _Built(dec, problems, var_of, levers, ctx)
 
 

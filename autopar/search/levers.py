@@ -1,6 +1,8 @@
 """Memory levers as ILP decisions: activation checkpointing and FSDP's reshard after forward.
 
 `add_levers(dec, rep, index, strats, ctx, problem, recompute=, reshard=) -> (problem, Levers)`
+`add_levers_at_scales(..., [(problem, comm_scale), ...]) -> [(problem, Levers), ...]`: the
+same for the problems of one set of decisions at several weight-edge scales, priced once.
 appends one decision per *canonical* layer C (the layer whose node decisions repeated
 layers share, `intra_op.share_layers`; a layer shares its levers as it shares its sharding):
 
@@ -165,6 +167,17 @@ class _Terms:
             self.gated[(u, v, w, choice)] = self._zeros(u, v)
         return self.gated[(u, v, w, choice)]
 
+    def at(self, key: tuple[int, ...]) -> tuple[Matrix, Matrix]:
+        """`edge(*key)` or `gate(*key)`, by the key's length."""
+        return self.edge(*key) if len(key) == 2 else self.gate(*key)
+
+    def copy(self) -> _Terms:
+        out = _Terms(self.sizes)
+        for mine, theirs in ((self.edges, out.edges), (self.gated, out.gated)):
+            for key, (c, m) in mine.items():
+                theirs[key] = [r[:] for r in c], [r[:] for r in m]
+        return out
+
     def problem(self, p: IntraOpProblem, cost: list, mem: list) -> IntraOpProblem:
         def t(m: Matrix) -> tuple[tuple[float, ...], ...]:
             return tuple(tuple(r) for r in m)
@@ -201,20 +214,49 @@ def add_levers(
     comm_scale: tuple[float, float] = (1.0, 1.0),
 ) -> tuple[IntraOpProblem, Levers]:
     """The problem with the lever decisions and terms appended (module docstring)."""
+    [(out, lv)] = add_levers_at_scales(
+        dec, rep, index, strats, ctx, [(problem, comm_scale)], recompute=recompute, reshard=reshard
+    )
+    return out, lv
+
+
+def add_levers_at_scales(
+    dec,
+    rep: list[int],
+    index: dict[int, int],
+    strats,
+    ctx: CostContext,
+    problems: list[tuple[IntraOpProblem, tuple[float, float]]],
+    *,
+    recompute: str = "auto",
+    reshard: bool | str = "auto",
+) -> list[tuple[IntraOpProblem, Levers]]:
+    """`add_levers` of each (problem, comm_scale) (problems of the same decisions, which
+    differ in their edges): the terms are priced once and the gathers' scale applied per
+    problem, in the order `add_levers` adds them alone, so each problem is the one it
+    gives to the last bit (three weight-edge scales priced the recompute terms and every
+    gathered weight three times: a third of `intra_op._build_problem`'s time)."""
     canon = canonical_layers(dec, rep)
     layers = list(dict.fromkeys(canon.values()))
-    n0 = len(problem.node_cost)
+    n0 = len(problems[0][0].node_cost)
     lv = Levers(
         canon,
         {c: n0 + i for i, c in enumerate(layers)},
         region_outputs(n for item in dec.items for n, _ in item.members),
     )
-    cost = [*problem.node_cost, *[_pin_row(recompute, reshard)] * len(layers)]
-    mem = [*problem.node_memory, *[(0.0,) * len(CHOICES)] * len(layers)]
-    terms = _Terms([len(c) for c in cost])
-    _price_recompute(dec, rep, index, strats, ctx, lv, terms)
-    _price_weights(dec, rep, index, strats, ctx, lv, terms, comm_scale[0])
-    return terms.problem(problem, cost, mem), lv
+    out = []
+    priced, gathers = None, None
+    for problem, comm_scale in problems:
+        cost = [*problem.node_cost, *[_pin_row(recompute, reshard)] * len(layers)]
+        mem = [*problem.node_memory, *[(0.0,) * len(CHOICES)] * len(layers)]
+        if priced is None:
+            priced = _Terms([len(c) for c in cost])
+            _price_recompute(dec, rep, index, strats, ctx, lv, priced)
+            gathers = _weight_gathers(dec, rep, index, strats, ctx, lv)
+        terms = priced.copy()
+        _add_gathers(gathers, terms, comm_scale[0])
+        out.append((terms.problem(problem, cost, mem), lv))
+    return out
 
 
 def _price_recompute(dec, rep, index, strats, ctx: CostContext, lv: Levers, terms) -> None:
@@ -259,10 +301,12 @@ def _price_collectives(dec, rep, index, strats, ctx: CostContext, d: int, r: int
                         cost[cu][cv] += w * fwd
 
 
-def _price_weights(
-    dec, rep, index, strats, ctx: CostContext, lv: Levers, terms, scale: float
-) -> None:
-    """Gathered weight copies: kept until backward, or freed and gathered again."""
+def _weight_gathers(dec, rep, index, strats, ctx: CostContext, lv: Levers) -> list[tuple]:
+    """Gathered weight copies: kept until backward, or freed and gathered again. Per
+    weight edge, in order: (the keys of the terms that keep the copy, of those that
+    gather it again, and per pair of choices priced (cu, cv, w * g, w * t, g if the layer
+    is canonical else 0)) for `_add_gathers`."""
+    out = []
     for d, item in enumerate(dec.items):
         v_node, v_map = item.members[0]
         if v_node.target in WEIGHT_NOT_SAVED:
@@ -274,25 +318,36 @@ def _price_weights(
             du, map_u = dec.owner[op.producer]
             u = index[rep[du]]
             if layer is None:
-                kept, again = [terms.edge(u, v)], []
+                kept, again = [(u, v)], []
             else:
                 f = lv.decision[lv.canonical[layer]]
-                kept = [terms.gate(u, v, f, k) for k, c in enumerate(CHOICES) if not _regathered(c)]
-                again = [terms.gate(u, v, f, k) for k, c in enumerate(CHOICES) if _regathered(c)]
+                kept = [(u, v, f, k) for k, c in enumerate(CHOICES) if not _regathered(c)]
+                again = [(u, v, f, k) for k, c in enumerate(CHOICES) if _regathered(c)]
             once = layer is not None and layer == lv.canonical[layer]
             srcs = [ctx.output_spec(op, strats[op.producer][ju]) for ju in map_u]
             ss = [strats[v_node][jv] for jv in v_map]
+            pairs = []
             for cu, row in enumerate(ctx.edge_part_matrices(op, srcs, v_node, ss, pos)):
                 for cv, (fwd, _) in enumerate(row):
-                    jv = v_map[cv]
                     if not 0 < fwd < float("inf"):
                         continue
-                    g = gathered_bytes(op, strats[v_node][jv], pos, ctx)
-                    for _, mem in kept:
-                        mem[cu][cv] += w * g
-                    for cost, mem in again:
-                        cost[cu][cv] += w * fwd * scale
-                        mem[cu][cv] += g if once else 0.0
+                    g = gathered_bytes(op, strats[v_node][v_map[cv]], pos, ctx)
+                    pairs.append((cu, cv, w * g, w * fwd, g if once else 0.0))
+            out.append((kept, again, pairs))
+    return out
+
+
+def _add_gathers(gathers: list[tuple], terms: _Terms, scale: float) -> None:
+    """`_weight_gathers` added to `terms`, the gathers again priced at `scale`."""
+    for kept_keys, again_keys, pairs in gathers:
+        kept = [terms.at(key) for key in kept_keys]
+        again = [terms.at(key) for key in again_keys]
+        for cu, cv, wg, wt, g in pairs:
+            for _, mem in kept:
+                mem[cu][cv] += wg
+            for cost, mem in again:
+                cost[cu][cv] += wt * scale
+                mem[cu][cv] += g
 
 
 def gathered_bytes(op, s, pos: int, ctx: CostContext) -> float:
