@@ -135,7 +135,7 @@ class CostContext(EdgeMatrices):
         self._priced: dict[tuple, tuple[float, float]] = {}  # `edge_parts` by content
         self._redistributed: dict[tuple, float] = {}  # `_redistribute` memo
         self._grad_specs: dict[tuple[int, int], tuple] = {}
-        self._grad_srcs: dict[int, tuple] = {}  # `_grad_source` memo, by id
+        self._grad_srcs: dict[tuple, tuple] = {}  # `_grad_source` memo, by placements
         self._memories: dict[tuple[fx.Node, int], float] = {}
         EdgeMatrices.__init__(self)
 
@@ -365,11 +365,10 @@ class CostContext(EdgeMatrices):
 
     def _grad_source(self, src: tuple) -> tuple:
         """The gradient's placement at the producer: its Partials are Replicate there."""
-        found = self._grad_srcs.get(id(src))
+        found = self._grad_srcs.get(src)  # `src` is a fresh tuple per call: by content
         if found is None:
-            self._alive[id(src)] = src
             found = tuple(Replicate() if p.is_partial() else p for p in src)
-            self._grad_srcs[id(src)] = found
+            self._grad_srcs[src] = found
         return found
 
     def weight_gathers(self, op: Operand, src, v: fx.Node, s: NodeStrategy, pos: int):
