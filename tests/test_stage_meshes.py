@@ -248,3 +248,20 @@ def test_ranks_on_two_shapes_are_solved_again_when_no_schedule_fits(monkeypatch)
     )  # fmt: skip
     assert budgets[:2] == [2 * limit] * 2 and len(budgets) == 4 and budgets[2] < 2 * limit
     assert plan.memory.recompute and plan.predicted_peak_memory <= limit
+
+
+def test_a_stage_totals_its_parts_as_their_sum_does() -> None:
+    """`PartCost.total` (what `layer_range` sums a stage with) equals `sum(parts,
+    PartCost())` to the last bit: the stage cuts break ties on these floats."""
+    import random
+
+    rng = random.Random(0)
+
+    def part(k: int) -> PartCost:
+        f = [rng.uniform(0, 1) * 10 ** rng.randint(-9, 9) for _ in range(7)]
+        grads = ((f"g{k}", "all_reduce", 0, f[0]),)
+        return PartCost(*f[:4], grads, *f[4:], program=(k,))
+
+    parts = [part(k) for k in range(97)]
+    for first, end in ((0, 97), (3, 50), (10, 11), (5, 5)):
+        assert PartCost.total(parts[first:end]) == sum(parts[first:end], PartCost())

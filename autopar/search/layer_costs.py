@@ -70,6 +70,20 @@ class PartCost:
     def astuple(self) -> tuple[float, float, float, float]:
         return (self.time, self.sync, self.state, self.act)
 
+    @staticmethod
+    def total(parts) -> PartCost:
+        """`sum(parts, PartCost())` in one pass: the same sums, in the same order (bit for
+        bit), and each tuple joined once, not once per part (a 96-layer stage joined its
+        gradients and program 96 times over)."""
+        time = sync = state = act = wgrad = stash = update = 0.0
+        grads, program = [], []
+        for p in parts:
+            time, sync, state, act = time + p.time, sync + p.sync, state + p.state, act + p.act
+            wgrad, stash, update = wgrad + p.wgrad, stash + p.stash, update + p.update
+            grads.extend(p.grads)
+            program.extend(p.program)
+        return PartCost(time, sync, state, act, tuple(grads), wgrad, stash, update, tuple(program))
+
 
 @dataclass(frozen=True)
 class LayerCosts:
@@ -203,7 +217,7 @@ def stage_parts(lc: LayerCosts, cuts: tuple[int, ...]) -> list[PartCost]:
 def layer_range(lc: LayerCosts, first: int, end: int) -> PartCost:
     """A stage of layers first..end-1 (with what precedes the first layer / follows the
     last when it holds them)."""
-    total = sum(lc.parts[first:end], PartCost())
+    total = PartCost.total(lc.parts[first:end])
     if first == 0:
         total = lc.pre + total
     if end == len(lc.layers):
