@@ -133,7 +133,7 @@ def _expand(arr: np.ndarray, scope, into) -> np.ndarray:
 # ---- the scalar (Lagrangian) elimination ------------------------------------------------------
 def eliminate(fs: dict, lam: float, order: list[int]):
     """Min-sum elimination of cost + lam * memory: (assignment, buckets), buckets[x] =
-    (scope, separator, [(scope, array, child or None)])."""
+    (scope, separator, [(scope, array, child or None)], their sum over scope)."""
     pool = [(s, c + lam * m if lam else c, None) for s, (c, m) in fs.items()]
     buckets, trace = {}, []
     for x in order:
@@ -144,7 +144,7 @@ def eliminate(fs: dict, lam: float, order: list[int]):
         k = scope.index(x)
         rest = scope[:k] + scope[k + 1 :]
         trace.append((x, rest, np.argmin(acc, axis=k)))
-        buckets[x] = (scope, rest, mine)
+        buckets[x] = (scope, rest, mine, acc)
         pool.append((rest, np.min(acc, axis=k), x))
     choice = [0] * len(order)
     for x, rest, arg in reversed(trace):
@@ -153,7 +153,8 @@ def eliminate(fs: dict, lam: float, order: list[int]):
 
 
 def lagrangian(p: IntraOpProblem, fs: dict, order: list[int]):
-    """(lambda*, best feasible (cost, choices) found or None): the cutting-plane walk."""
+    """(lambda*, its bound, best feasible (cost, choices) found or None): the cutting-plane
+    walk."""
     limit = p.memory_limit
 
     def at(lam):
@@ -162,7 +163,7 @@ def lagrangian(p: IntraOpProblem, fs: dict, order: list[int]):
 
     c, m, choice = at(0.0)
     if m <= limit:
-        return 0.0, (c, choice)
+        return 0.0, c, (c, choice)
     lo, lam = (c, m), max(c, 1e-12) / m * 1e-3
     while True:
         c, m, choice = at(lam)
@@ -171,7 +172,7 @@ def lagrangian(p: IntraOpProblem, fs: dict, order: list[int]):
             break
         lo, lam = (c, m), lam * 10
         if lam > 1e12:
-            return 0.0, None
+            return 0.0, -math.inf, None
     best_value, best_lam = -math.inf, lam
     for _ in range(60):
         lam = (hi[0] - lo[0]) / (lo[1] - hi[1])
@@ -185,7 +186,7 @@ def lagrangian(p: IntraOpProblem, fs: dict, order: list[int]):
         if value >= line - 1e-12 * abs(line):
             break
         hi, lo = ((c, m), lo) if m <= limit else (hi, (c, m))
-    return best_lam, best
+    return best_lam, best_value, best
 
 
 def outside_bounds(buckets: dict, order: list[int], dom: list[int]) -> dict[int, np.ndarray]:
@@ -197,7 +198,7 @@ def outside_bounds(buckets: dict, order: list[int], dom: list[int]) -> dict[int,
         if x not in parent:
             out[x] = np.zeros([dom[v] for v in rest])
             continue
-        scope, prest, mine = buckets[parent[x]]
+        scope, prest, mine, _ = buckets[parent[x]]
         acc = sum(_expand(a, s, scope) for s, a, child in mine if child != x)
         acc = np.broadcast_to(acc + _expand(out[parent[x]], prest, scope), [dom[v] for v in scope])
         axes = tuple(i for i, v in enumerate(scope) if v not in rest)
@@ -228,10 +229,13 @@ def _plus(a, b):
 
 def solve_pareto(p: IntraOpProblem, max_cells: float) -> float | None:
     """The least cost of an assignment within the memory limit (None: skipped, or none
-    fits); exact, by the module docstring's two steps."""
+    fits); exact, by the module docstring's two steps. The Pareto DP runs first under a
+    bound a little above the Lagrangian's (an answer at or below it is the optimum:
+    nothing at or below the bound was pruned), raised 4x towards the best feasible
+    answer known until one is."""
     dom, fs = [len(c) for c in p.node_cost], factors(p)
     order = elimination_order(len(dom), fs)
-    lam, best = lagrangian(p, fs, order)
+    lam, low, best = lagrangian(p, fs, order)
     if best is None:
         return None
     if lam == 0.0:  # the least-cost assignment fits: the optimum
@@ -239,20 +243,45 @@ def solve_pareto(p: IntraOpProblem, max_cells: float) -> float | None:
     _, buckets = eliminate(fs, lam, order)
     if max(math.prod(dom[v] for v in buckets[x][0]) for x in order) > max_cells:
         return None
-    outside, limit, bound = outside_bounds(buckets, order, dom), p.memory_limit, best[0]
-    pool = [(s, {k: [(float(m[k]), float(c[k]))] for k in np.ndindex(c.shape)
-                 if math.isfinite(c[k])}) for s, (c, m) in fs.items()]  # fmt: skip
+    outside = outside_bounds(buckets, order, dom)
+    tables = [(s, {k: [(float(m[k]), float(c[k]))] for k in np.ndindex(c.shape)
+                   if math.isfinite(c[k])}) for s, (c, m) in fs.items()]  # fmt: skip
+    known, step = best[0], (best[0] - low) / 16
+    while True:
+        bound = min(known, low + step)
+        found = _pareto_at(p, tables, order, lam, buckets, outside, bound)
+        if found is not None and found <= bound:  # the optimum was not pruned: it is this
+            return found
+        known = known if found is None else min(known, found)
+        if bound >= known:  # nothing at or below the best known was pruned
+            return known
+        step *= 4
+
+
+def _pareto_at(p, tables, order, lam, buckets, outside, bound) -> float | None:
+    """The least cost within the memory limit among assignments whose Lagrangian bound
+    is at most `bound` (None: none)."""
+    limit, pool = p.memory_limit, list(tables)
     for x in order:
         mine = [f for f in pool if x in f[0]]
         pool = [f for f in pool if x not in f[0]]
-        rest, msg = buckets[x][1], {}
+        scope, rest, _, acc = buckets[x]
         # the least each factor still to be added can add (memories may be negative)
         lows = [min((c + lam * m for f in t.values() for m, c in f), default=0.0) for _, t in mine]
         later = [sum(lows[i + 1 :]) for i in range(len(mine))]
-        for key in itertools.product(*[range(dom[v]) for v in rest]):
-            slack = bound * (1 + 1e-9) + 1e-12 + lam * limit - float(outside[x][key])
+        # (separator, choice) cells whose Lagrangian bound (the bucket's scalar sum at
+        # lambda*, which no front point undercuts, + outside) can still beat the bound
+        top = bound * (1 + 1e-9) + 1e-12 + lam * limit
+        whole = acc + _expand(outside[x], rest, scope)
+        cells: dict[tuple, list[int]] = {}
+        for at in np.argwhere(whole <= top):
+            named = dict(zip(scope, at.tolist(), strict=True))
+            cells.setdefault(tuple(named[v] for v in rest), []).append(named[x])
+        msg = {}
+        for key, ks in cells.items():
+            slack = top - float(outside[x][key])
             at, union = dict(zip(rest, key, strict=True)), []
-            for k in range(dom[x]):
+            for k in ks:
                 at[x], front = k, [(0.0, 0.0)]
                 for (s, table), low in zip(mine, later, strict=True):
                     f = table.get(tuple(at[v] for v in s))
