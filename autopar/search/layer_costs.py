@@ -57,23 +57,12 @@ class PartCost:
     program: tuple[Part, ...] = ()
 
     def __add__(self, other: PartCost) -> PartCost:
-        sums = (a + b for a, b in zip(self.astuple(), other.astuple(), strict=True))
-        return PartCost(
-            *sums,
-            grads=self.grads + other.grads,
-            wgrad=self.wgrad + other.wgrad,
-            stash=self.stash + other.stash,
-            update=self.update + other.update,
-            program=self.program + other.program,
-        )
-
-    def astuple(self) -> tuple[float, float, float, float]:
-        return (self.time, self.sync, self.state, self.act)
+        return PartCost.total((self, other))
 
     @staticmethod
     def total(parts) -> PartCost:
-        """`sum(parts, PartCost())` in one pass: the same sums, in the same order (bit for
-        bit), and each tuple joined once, not once per part (a 96-layer stage joined its
+        """The parts summed field by field, in order (`sum(parts, PartCost())`, bit for bit)
+        in one pass: each tuple joined once, not once per part (a 96-layer stage joined its
         gradients and program 96 times over)."""
         time = sync = state = act = wgrad = stash = update = 0.0
         grads, program = [], []

@@ -1,8 +1,6 @@
 """Memory levers as ILP decisions: activation checkpointing and FSDP's reshard after forward.
 
 `add_levers(dec, rep, index, strats, ctx, problem, recompute=, reshard=) -> (problem, Levers)`
-`add_levers_at_scales(..., [(problem, comm_scale), ...]) -> [(problem, Levers), ...]`: the
-same for the problems of one set of decisions at several weight-edge scales, priced once.
 appends one decision per *canonical* layer C (the layer whose node decisions repeated
 layers share, `intra_op.share_layers`; a layer shares its levers as it shares its sharding):
 
@@ -41,7 +39,8 @@ reshards or recomputes fully:
                                memory + g if L == C  (one layer's gathered copy, working set)
 The re-gather's time is a weight edge's gather: `comm_scale[0]` multiplies it as
 `intra_op.price` scales the weight edges' gathers (the candidates `intra_op.solve_intra`
-ranks by the overlapped step).
+ranks by the overlapped step). `add_levers_at_scales(..., [(problem, comm_scale), ...])` does
+this for the problems of one set of decisions at several scales, the terms priced once.
 """
 
 from __future__ import annotations
@@ -244,15 +243,14 @@ def add_levers_at_scales(
         {c: n0 + i for i, c in enumerate(layers)},
         region_outputs(n for item in dec.items for n, _ in item.members),
     )
+    pins = [_pin_row(recompute, reshard)] * len(layers)
+    priced = _Terms([len(c) for c in (*problems[0][0].node_cost, *pins)])
+    _price_recompute(dec, rep, index, strats, ctx, lv, priced)
+    gathers = _weight_gathers(dec, rep, index, strats, ctx, lv)
     out = []
-    priced, gathers = None, None
     for problem, comm_scale in problems:
-        cost = [*problem.node_cost, *[_pin_row(recompute, reshard)] * len(layers)]
+        cost = [*problem.node_cost, *pins]
         mem = [*problem.node_memory, *[(0.0,) * len(CHOICES)] * len(layers)]
-        if priced is None:
-            priced = _Terms([len(c) for c in cost])
-            _price_recompute(dec, rep, index, strats, ctx, lv, priced)
-            gathers = _weight_gathers(dec, rep, index, strats, ctx, lv)
         terms = priced.copy()
         _add_gathers(gathers, terms, comm_scale[0])
         out.append((terms.problem(problem, cost, mem), lv))
