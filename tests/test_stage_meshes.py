@@ -229,9 +229,10 @@ def test_when_no_schedule_fits_the_stage_ilps_are_solved_again_under_less() -> N
 def test_ranks_on_two_shapes_are_solved_again_when_no_schedule_fits(monkeypatch) -> None:
     """Under a memory limit the stage ILPs' first answers miss (their budget is both
     ranks' summed), each shape's ILP is solved again under less: the plan recomputes and
-    fits, where it used to fail."""
+    fits, where it used to fail. Each time, the second shape's ILP is prepared while the
+    first's solves (`search.ahead`), and its solve takes what was prepared."""
     import autopar
-    from autopar.search import stage_meshes
+    from autopar.search import ahead, stage_meshes
     from samples import get_sample
 
     sample = get_sample("llama")
@@ -240,6 +241,11 @@ def test_ranks_on_two_shapes_are_solved_again_when_no_schedule_fits(monkeypatch)
     budgets = []
     solve = stage_meshes.solve_intra
     monkeypatch.setattr(stage_meshes, "solve_intra", lambda *a: budgets.append(a[-1]) or solve(*a))
+    # the second shape's problems are prepared while the first's solve, and taken by its solve
+    prepared, taken = [], []
+    prepare, take = stage_meshes.prepare_intra, ahead.take
+    monkeypatch.setattr(stage_meshes, "prepare_intra", lambda *a: prepared.append(a) or prepare(*a))
+    monkeypatch.setattr(ahead, "take", lambda key: (found := take(key), taken.append(found))[0])
     cluster = autopar.Cluster.preset("cpu", mesh=(2, 2, 1), axis_names=("pp", "dp", "tp"))
     limit = 7.6e5
     plan = autopar.plan(
@@ -248,6 +254,8 @@ def test_ranks_on_two_shapes_are_solved_again_when_no_schedule_fits(monkeypatch)
     )  # fmt: skip
     assert budgets[:2] == [2 * limit] * 2 and len(budgets) == 4 and budgets[2] < 2 * limit
     assert plan.memory.recompute and plan.predicted_peak_memory <= limit
+    assert [(a[1].mesh_shape, a[-1]) for a in prepared] == [((1, 2), b) for b in budgets[1::2]]
+    assert sum(found is not None for found in taken) == len(prepared)
 
 
 def test_a_stage_totals_its_parts_as_their_sum_does() -> None:

@@ -15,6 +15,7 @@ stage out of it.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import replace
 
 from autopar._compat import shape_only_mesh
@@ -22,6 +23,7 @@ from autopar.capture import Captured
 from autopar.capture.analysis import assign_stages
 from autopar.cluster import Cluster
 from autopar.plan import PipelinePlan, Plan, stage_ranks
+from autopar.search import ahead
 from autopar.search.inter_op import (
     PipelineOptions,
     PricedSchedule,
@@ -30,7 +32,7 @@ from autopar.search.inter_op import (
     stage_ilp,
     with_comm,
 )
-from autopar.search.intra_op import IntraOpResult, solve_intra
+from autopar.search.intra_op import IntraOpResult, prepare_intra, solve_intra
 from autopar.search.layer_costs import LayerCosts, layer_costs
 from autopar.search.pins import SearchOptions
 
@@ -108,13 +110,22 @@ def solve_rank_meshes(
     known = {} if known is None else known
     shapes = list(dict.fromkeys(pipeline.rank_meshes))
 
+    def problem(shape, budget):  # `solve_intra`'s arguments for one shape's stage ILP
+        mesh = shape_only_mesh("cpu", shape, names)
+        return captured, stage_cluster(on_shape(cluster, shape)), mesh, options, weights, budget
+
     def solve(budget: float) -> dict[tuple[int, ...], IntraOpResult]:
-        for shape in shapes:
-            if (shape, budget) not in known:
-                sub = stage_cluster(on_shape(cluster, shape))
-                mesh = shape_only_mesh("cpu", shape, names)
-                known[shape, budget] = solve_intra(captured, sub, mesh, options, weights, budget)
-                with_comm(known[shape, budget])
+        todo = [shape for shape in shapes if (shape, budget) not in known]
+        for at, shape in enumerate(todo):
+            nxt = todo[at + 1] if at + 1 < len(todo) else None
+            # the next shape's problems are priced (and its ILP started) while this one's
+            # solves (`search.ahead`): the same problems, solved the same
+            prepare = (
+                None if nxt is None else (lambda nxt=nxt: prepare_intra(*problem(nxt, budget)))
+            )
+            with ahead.meanwhile(prepare) if prepare else nullcontext():
+                known[shape, budget] = solve_intra(*problem(shape, budget))
+            with_comm(known[shape, budget])
         return {shape: known[shape, budget] for shape in shapes}
 
     def costs(results: dict) -> tuple[LayerCosts, ...]:
