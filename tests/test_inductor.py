@@ -24,6 +24,7 @@ from autopar.options import PlanOptions
 from autopar.plan import Plan
 from autopar.planning import PlanJob
 from autopar.runtime import inductor
+from autopar.testing.parity import LR, ParityCase, ParityResult, run_parity
 from samples import get_sample
 
 
@@ -77,15 +78,41 @@ def test_cache_dir_in_the_build_area(monkeypatch: pytest.MonkeyPatch) -> None:
     assert callable(compiled)
 
 
-@pytest.mark.multiproc
-@pytest.mark.own_ranks  # compiled cases share no capture with other tests
-def test_inductor_step_trains_like_single_device() -> None:
-    """GPT tiny on 2 gloo ranks (dp), each rank's program compiled by inductor (C++)."""
-    from autopar.testing.parity import LR, ParityCase, run_parity
+STEPS = 2
+CASES = {
+    # GPT tiny on 2 gloo ranks (dp), each rank's program compiled by inductor (C++)
+    "dp": ParityCase("gpt", (2,), ("dp",), "dp", steps=STEPS, fusion="inductor"),
+    # GPT (4 layers) in 2 pipeline stages (1F1B): each stage's forward and backward graphs
+    # are compiled by inductor
+    "pp": ParityCase(
+        "gpt",
+        (2,),
+        ("pp",),
+        config="tiny4",
+        steps=STEPS,
+        schedule="1f1b",
+        microbatches=2,
+        fusion="inductor",
+    ),
+}
 
-    steps = 2
-    case = ParityCase("gpt", (2,), ("dp",), "dp", steps=steps, fusion="inductor")
-    (res,) = run_parity([case])
+
+@pytest.fixture(scope="module")
+def compiled_runs() -> dict[str, ParityResult]:
+    """Both compiled cases in one run on one set of ranks: a rank's first compile pays for
+    inductor's set-up (its imports, the CPU's vector-ISA probes, the precompiled header),
+    which the second case then finds done."""
+    return dict(zip(CASES, run_parity(list(CASES.values())), strict=True))
+
+
+# compiled cases share no capture with the other multi-process tests (own_ranks); they
+# share the fixture's run with each other (one pytest worker: their own group)
+@pytest.mark.multiproc
+@pytest.mark.own_ranks
+@pytest.mark.xdist_group("inductor")
+def test_inductor_step_trains_like_single_device(compiled_runs) -> None:
+    """GPT tiny on 2 gloo ranks (dp), each rank's program compiled by inductor (C++)."""
+    res = compiled_runs["dp"]
     assert res.error is None, res.error
     line = (
         f"{res.label}: loss {res.loss_rel_err:.1e} grad {res.grad_err:.1e} "
@@ -95,31 +122,19 @@ def test_inductor_step_trains_like_single_device() -> None:
     assert res.fusion == ["inductor"]
     assert res.step_program == "OptimizedModule"  # torch.compile's wrapper ran every step
     assert res.loss_rel_err <= 1e-5 and res.grad_err <= 1e-5, line
-    assert res.param_err <= LR * steps, line
+    assert res.param_err <= LR * STEPS, line
 
 
 @pytest.mark.multiproc
-@pytest.mark.own_ranks  # compiled cases share no capture with other tests
-def test_inductor_pipeline_stages_train_like_single_device() -> None:
+@pytest.mark.own_ranks
+@pytest.mark.xdist_group("inductor")
+def test_inductor_pipeline_stages_train_like_single_device(compiled_runs) -> None:
     """GPT (4 layers) in 2 pipeline stages (1F1B): each stage's forward and backward graphs
     are compiled by inductor."""
-    from autopar.testing.parity import LR, ParityCase, run_parity
-
-    steps = 2
-    case = ParityCase(
-        "gpt",
-        (2,),
-        ("pp",),
-        config="tiny4",
-        steps=steps,
-        schedule="1f1b",
-        microbatches=2,
-        fusion="inductor",
-    )
-    (res,) = run_parity([case])
+    res = compiled_runs["pp"]
     assert res.error is None, res.error
     line = f"{res.label}: loss {res.loss_rel_err:.1e} grad {res.grad_err:.1e} param {res.param_err:.1e}"
     print(line)
     assert res.fusion == ["inductor"]
     assert res.loss_rel_err <= 1e-5 and res.grad_err <= 1e-4, line
-    assert res.param_err <= LR * steps, line
+    assert res.param_err <= LR * STEPS, line
