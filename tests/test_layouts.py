@@ -265,8 +265,9 @@ def test_a_winner_whose_plan_is_over_memory_gives_way_to_the_next_fastest() -> N
 def test_work_prepared_ahead_changes_no_price(monkeypatch) -> None:
     """While a layout's ILP solves, the next layout's template, strategies and prices are
     prepared (`search.ahead`), its ILPs started on a spare core, and taken by its own call:
-    the search prices and decides exactly as it does without it."""
-    from autopar.search import ahead
+    the search prices and decides exactly as it does without it (the winner's stage-mesh
+    variants likewise: a second shape's ILP prepared while the first's solves)."""
+    from autopar.search import ahead, stage_meshes
 
     model, batch = _meta_gpt("tiny4", 16)
     cluster = Cluster.preset("dgx-h100", nodes=1)
@@ -291,6 +292,7 @@ def test_work_prepared_ahead_changes_no_price(monkeypatch) -> None:
         assert any(taken) == ahead.spare_core() == bool(started), (taken, started)
         assert not ahead._KEPT and not ahead._STARTED
         monkeypatch.setattr(_Pricer, "prepare_next", lambda self, layout, bar: None)
+        monkeypatch.setattr(stage_meshes, "prepare_intra", lambda *args: None)  # its variants'
         taken.clear()
         without = search_layout(model, batch, cluster, SearchOptions())
         assert not any(taken)

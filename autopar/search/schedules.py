@@ -180,6 +180,15 @@ def simulate(
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule '{schedule}'; choose from {sorted(SCHEDULES)}")
     groups = (microbatches,) if isinstance(microbatches, int) else tuple(microbatches)
+    orders = _group_orders(schedule, pp, groups)
+    ranks = stage_ranks(schedule, pp)
+    return replay(orders, fwd, bwd, ranks, p2p, schedule, wgrad, stash, ready)
+
+
+@functools.lru_cache(maxsize=256)
+def _group_orders(schedule: str, pp: int, groups: tuple[int, ...]):
+    """Per rank, its actions (kind, stage, microbatch) over the groups' schedules run one
+    after the other (the same for every candidate priced with that schedule and count)."""
     orders: list[list[tuple[str, int, int]]] = [[] for _ in range(pp)]
     first = 0  # the group's first microbatch index
     for count in groups:
@@ -190,8 +199,7 @@ def simulate(
         for rank, order in enumerate(group):
             orders[rank] += [(k, s, first + i) for k, s, i in order]
         first += count
-    ranks = stage_ranks(schedule, pp)
-    return replay(orders, fwd, bwd, ranks, p2p, schedule, wgrad, stash, ready)
+    return tuple(tuple(order) for order in orders)
 
 
 def torch_order(schedule: str, pp: int, microbatches: int) -> list[list[tuple]]:
@@ -212,6 +220,9 @@ def _torch_order(schedule: str, pp: int, microbatches: int) -> list[list[tuple]]
     ranks = stage_ranks(schedule, pp)
     stages_of = [[s for s, r in enumerate(ranks) if r == rank] for rank in range(pp)]
     return pipeline_order(TORCH_CLASSES[schedule], pp, stages_of, microbatches)
+
+
+_F, _B, _I, _W = range(4)  # `replay`'s action kinds
 
 
 def replay(
@@ -249,45 +260,60 @@ def replay(
     clock, busy = [0.0] * pp, [0.0] * pp
     held, peak = [0.0] * pp, [0.0] * pp
     grads_done = [0.0] * num
+    # per rank, its actions as (kind code, stage, microbatch, seconds, held change): read
+    # once, not looked up per visit (the loop below visits an action until it can run)
+    code = {"F": _F, "B": _B, "I": _I, "W": _W}
+    steps = [[(code[k], s, i, cost[k][s], held_by[k][s]) for k, s, i in order] for order in orders]
     at = [0] * pp
     left = sum(map(len, orders))
+    last = num - 1
     while left:
         progressed = False
         for rank in range(pp):
-            order, now, n = orders[rank], clock[rank], at[rank]
-            while n < len(order):
-                kind, s, i = order[n]
-                if kind == "F":
+            order, now, n = steps[rank], clock[rank], at[rank]
+            size, busy_r, held_r, peak_r = len(order), busy[rank], held[rank], peak[rank]
+            while n < size:
+                kind, s, i, seconds, change = order[n]
+                if kind == _F:  # start = max(now, starts[s], dep + hop_before[s])
                     dep = forward[s - 1][i] if s else 0.0
                     if dep is None:
                         break
-                    start = max(now, starts[s], dep + hop_before[s])
-                elif kind == "W":
+                    start, other = now, starts[s]
+                    if other > start:
+                        start = other
+                    other = dep + hop_before[s]
+                    if other > start:
+                        start = other
+                elif kind == _W:  # start = max(now, dep)
                     dep = gradient[s][i]
                     if dep is None:
                         break
-                    start = max(now, dep)
+                    start = dep if dep > now else now
                 else:  # B or I: after this stage's forward and the next stage's gradient
                     dep = forward[s][i]
-                    after = gradient[s + 1][i] if s < num - 1 else 0.0
+                    after = gradient[s + 1][i] if s < last else 0.0
                     if dep is None or after is None:
                         break
-                    start = max(now, dep, after + hop_after[s])
-                seconds = cost[kind][s]
+                    start = dep if dep > now else now
+                    other = after + hop_after[s]
+                    if other > start:
+                        start = other
                 now = start + seconds
-                busy[rank] += seconds
-                if kind == "F":
+                busy_r += seconds
+                if kind == _F:
                     forward[s][i] = now
-                elif kind != "W":
+                elif kind != _W:
                     gradient[s][i] = now
-                if kind in "BW":
+                if kind == _B or kind == _W:
                     grads_done[s] = now
-                held[rank] += held_by[kind][s]
-                peak[rank] = max(peak[rank], held[rank])
+                held_r += change
+                if held_r > peak_r:
+                    peak_r = held_r
                 n += 1
             if n != at[rank]:
                 progressed, left = True, left - (n - at[rank])
                 clock[rank], at[rank] = now, n
+                busy[rank], held[rank], peak[rank] = busy_r, held_r, peak_r
         if not progressed:
             raise RuntimeError(f"schedule {schedule} deadlocks on {pp} ranks")
     total = max(clock)
