@@ -162,19 +162,21 @@ def test_pipeline_ranks_hold_their_microbatches_in_flight():
     model, batch = load_model("gpt", "tiny4", 8)  # four blocks: two stages per rank
     params = sum(p.numel() for p in model.parameters()) * 4
     cluster = autopar.Cluster.preset("cpu", mesh=(2,), axis_names=("pp",), devices_per_node=2)
+    # every schedule's plan is of the same microbatch graph: captured and probed once
+    captured = capture(model, tuple(t.chunk(4)[0] for t in batch))
+    probed = probe_graph(captured)
     peaks = {}
     for schedule in ("gpipe", "1f1b", "interleaved1f1b", "zbv"):
         plan = autopar.plan(
             model, batch, cluster=cluster, pipeline_stages=2, schedule=schedule, microbatches=4
         )
-        captured = capture(model, tuple(t.chunk(4)[0] for t in batch))
         ranks = predict_peak_per_rank(captured, plan)
         assert len(ranks) == 2 and plan.solver["predicted_memory_per_pp_rank"]
         assert all(r.breakdown["parameters"] < params for r in ranks)
         peaks[schedule] = ranks[0].breakdown["activations"]
-        stages = stage_nodes(captured, list(plan.stage_cuts), probe_graph(captured))
+        stages = stage_nodes(captured, list(plan.stage_cuts), probed)
         covered = {n.name for s in stages for n in s}
-        assert covered == set(probe_graph(captured))
+        assert covered == set(probed)
     assert peaks["gpipe"] > peaks["1f1b"]
     assert peaks["gpipe"] >= max(peaks["interleaved1f1b"], peaks["zbv"]), peaks
 
