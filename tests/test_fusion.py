@@ -436,8 +436,11 @@ def test_fused_models_train_like_single_device_under_tp_dp() -> None:
         run_parity,
     )
 
+    # 2 steps: the second's gradients are at weights the first step moved (each step runs
+    # every interpreted kernel, forward and backward, on every rank)
+    steps = 2
     cases = [
-        ParityCase(name, (2, 2), ("dp", "tp"), ("dp", "tp"), fusion="triton")
+        ParityCase(name, (2, 2), ("dp", "tp"), ("dp", "tp"), steps=steps, fusion="triton")
         for name in ("gpt", "llama")
     ]
     head = {"linear_cross_entropy": 1}  # rows on dp, hidden and weight gathered on tp
@@ -451,5 +454,5 @@ def test_fused_models_train_like_single_device_under_tp_dp() -> None:
             return [f"{res.label}: fused {res.fusion}"]
         return []
 
-    tol = Tolerance(loss=1e-5, grad=1e-4, param=LR * 3)
+    tol = Tolerance(loss=1e-5, grad=1e-4, param=LR * steps)
     check(cases, run_parity(cases), tol, fused_as_expected)
