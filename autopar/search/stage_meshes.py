@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import replace
+from functools import partial
 
 from autopar._compat import shape_only_mesh
 from autopar.capture import Captured
@@ -116,14 +117,13 @@ def solve_rank_meshes(
 
     def solve(budget: float) -> dict[tuple[int, ...], IntraOpResult]:
         todo = [shape for shape in shapes if (shape, budget) not in known]
-        for at, shape in enumerate(todo):
-            nxt = todo[at + 1] if at + 1 < len(todo) else None
+        for shape, nxt in zip(todo, [*todo[1:], None], strict=False):  # last: no next
             # the next shape's problems are priced (and its ILP started) while this one's
             # solves (`search.ahead`): the same problems, solved the same
-            prepare = (
-                None if nxt is None else (lambda nxt=nxt: prepare_intra(*problem(nxt, budget)))
-            )
-            with ahead.meanwhile(prepare) if prepare else nullcontext():
+            meanwhile = nullcontext()
+            if nxt is not None:
+                meanwhile = ahead.meanwhile(partial(prepare_intra, *problem(nxt, budget)))
+            with meanwhile:
                 known[shape, budget] = solve_intra(*problem(shape, budget))
             with_comm(known[shape, budget])
         return {shape: known[shape, budget] for shape in shapes}
