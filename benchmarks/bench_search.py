@@ -8,8 +8,11 @@ Each row is timed end to end, from a model built on the meta device to a saved p
 every dimension searched (pipeline degree, stage meshes, microbatches, schedule, then the
 sharding and memory levers); `--pipeline-stages 1` times the intra-op search alone. Per-phase seconds come from
 `autopar.search.progress` (capture, strategies, costs, ILP, layout search, assembly;
-exclusive: a nested phase's time is not its parent's); the "cpu" line under each row is
-this process's CPU seconds, the figure to compare on a loaded machine.
+exclusive: a nested phase's time is not its parent's; with the layout search's degrees
+priced on several processes, `search.workers`, a phase sums every process's time, so the
+phases can add up to more than the total); the "cpu" line under each row is the CPU
+seconds of this process and the search's forked ones, the figure to compare on a loaded
+machine. `AUTOPAR_SEARCH_PROCESSES=1` times the search on one process.
 
 Rows (the issue's goals on a 2-core machine in brackets):
 - llama3-8b: Llama-3-8B, batch 16 x 8192, 64 H100 in 8 nodes (<= 5 s)
@@ -66,7 +69,7 @@ def build_row(row: str):
 
 
 def run_row(row: str, out: Path, options: dict) -> dict:
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0 = time.perf_counter()
     with recording() as rec:
         model, batch, cluster = build_row(row)
         plan = autopar.plan(model, batch, cluster=cluster, **options)
@@ -79,7 +82,7 @@ def run_row(row: str, out: Path, options: dict) -> dict:
     return {
         "row": row,
         "total_s": time.perf_counter() - t0,
-        "total_cpu_s": time.process_time() - c0,
+        "total_cpu_s": rec.total_cpu,  # the search's forked processes' too
         **{p: rec.phases.get(p, 0.0) for p in PHASES},
         **{f"{p} cpu": rec.cpu.get(p, 0.0) for p in PHASES},
         "layout": layout,

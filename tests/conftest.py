@@ -14,6 +14,11 @@ _BUILD.mkdir(parents=True, exist_ok=True)
 os.environ.setdefault("TMPDIR", str(_BUILD))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_BUILD / "inductor"))
 
+# The layout search prices its degrees on one process in tests: the suite's two workers
+# already take both cores, where a forked search process only competes for them. The tests
+# of `search.workers` ask for two.
+os.environ.setdefault("AUTOPAR_SEARCH_PROCESSES", "1")
+
 # Without a GPU, Triton kernels run in the interpreter; it must be chosen before the first
 # `import triton` anywhere in the session (see autopar/kernels/_triton.py).
 if not torch.cuda.is_available():

@@ -131,26 +131,104 @@ def test_megatron_1_7b_row_fits_and_matches_megatron() -> None:
 def test_every_degree_is_priced_without_assuming_unimodal_step_times() -> None:
     """No degree is skipped for its neighbours being slower: a fast degree after two slower
     ones still wins; infeasible degrees (None) are passed over; pp = 1 is priced first."""
-    from autopar.search.layouts import price_degrees
+    from autopar.search.layouts import fastest, pricing_order
+    from autopar.search.workers import price_in_processes
 
     def search(times: dict[int, float | None]) -> tuple[float | None, list[int]]:
-        degrees = [[Layout(pp, 1, 1, 8)] for pp in times]
+        degrees = pricing_order([[Layout(pp, 1, 1, 8)] for pp in times])
         priced: list[int] = []
         bars: list[float] = []
 
-        def price(layouts, bar):
-            pp = layouts[0].pp
+        def price(i, nxt, bar):
+            pp = degrees[i][0].pp
             priced.append(pp)
-            bars.append(bar)
-            return None if times[pp] is None else (times[pp], 0.0, layouts[0])
+            bars.append(bar.value)
+            if times[pp] is None:
+                return None
+            bar.lower(times[pp])
+            return (times[pp], 0.0, degrees[i][0])
 
-        found = price_degrees(degrees, price)
+        found = fastest(price_in_processes(len(degrees), price, 1))
         assert bars[0] == math.inf and bars == sorted(bars, reverse=True)  # the best so far
         return (found[0] if found else None), priced
 
     assert search({2: 2.0, 1: 1.5, 4: 3.0, 8: 0.5}) == (0.5, [1, 2, 4, 8])
     assert search({1: 3.0, 2: None, 4: None, 8: 3.5, 16: 2.0}) == (2.0, [1, 2, 4, 8, 16])
     assert search({1: None, 2: None}) == (None, [1, 2])
+
+
+def test_degrees_priced_on_forked_processes_come_back_in_pricing_order() -> None:
+    """On two processes every degree is priced once, by either, under the bar of both
+    (the best any has found when a degree starts), and the answers come back in pricing
+    order with the winner the one process would pick: the first among equals."""
+    import os
+    import time
+
+    from autopar.search.layouts import fastest
+    from autopar.search.workers import price_in_processes
+
+    steps = [3.0, 2.5, None, 1.0, 4.0, 1.0, 2.0, None, 0.5, 0.5, 6.0]
+
+    def price(i, nxt, bar):
+        assert nxt is None or nxt > i  # the next degree this process takes is a later one
+        time.sleep(0.05)  # long enough for the forked process to start and take some
+        seen = bar.value
+        if steps[i] is not None:
+            bar.lower(steps[i])
+        found = None if steps[i] is None else (steps[i], float(i), Layout(i + 1, 1, 1, 1))
+        return (i, os.getpid(), seen, found)
+
+    out = price_in_processes(len(steps), price, 2)
+    assert [i for i, *_ in out] == list(range(len(steps)))
+    assert len({pid for _, pid, _, _ in out}) == 2  # both processes priced some
+    for _, _, seen, _ in out:  # each degree saw a bar some degree's step had set, or none
+        assert seen == math.inf or seen in steps
+    best = fastest([found for *_, found in out])
+    assert best == (0.5, 8.0, Layout(9, 1, 1, 1))  # the first of the two 0.5s
+
+
+def test_a_failed_search_process_leaves_its_degrees_to_this_one() -> None:
+    """A forked process whose pricing raises: its degree (and every degree it would have
+    taken) is priced again on this process, with a warning naming the failure."""
+    import os
+    import time
+
+    from autopar.search.workers import price_in_processes
+
+    parent = os.getpid()
+
+    def price(i, nxt, bar):
+        time.sleep(0.05)
+        if os.getpid() != parent:
+            raise RuntimeError("boom in the child")
+        return i * 10
+
+    with pytest.warns(RuntimeWarning, match="boom in the child"):
+        out = price_in_processes(6, price, 2)
+    assert out == [0, 10, 20, 30, 40, 50]
+
+
+def test_two_search_processes_find_what_one_finds(monkeypatch) -> None:
+    """The layout search on two processes: the same winner, step and peak as on one, and
+    every layout both priced at the same price (which layouts are pruned depends on when
+    the other process's best arrives)."""
+    from autopar.search import workers
+
+    model, batch = _meta_gpt("tiny4", 16)
+    cluster = Cluster.preset("dgx-h100", nodes=1)
+    forks, fork = [], workers._fork
+    monkeypatch.setattr(workers, "_fork", lambda *args: forks.append(1) or fork(*args))
+    found = {}
+    for n in (1, 2):
+        monkeypatch.setenv(workers.PROCESSES_ENV, str(n))
+        with fake_group(cluster.world_size):
+            found[n] = search_layout(model, batch, cluster, SearchOptions())
+    one, two = found[1], found[2]
+    assert forks == [1]  # enough degrees to fork, on the second search only
+    assert (two.best, two.step_time, two.peak_memory) == (one.best, one.step_time, one.peak_memory)
+    prices = {layout: step for step, _, layout in one.priced}
+    both = [(step, layout) for step, _, layout in two.priced if layout in prices]
+    assert len(both) > 1 and all(prices[layout] == step for step, layout in both)
 
 
 def test_what_the_default_call_searches() -> None:
@@ -266,8 +344,11 @@ def test_work_prepared_ahead_changes_no_price(monkeypatch) -> None:
     """While a layout's ILP solves, the next layout's template, strategies and prices are
     prepared (`search.ahead`), its ILPs started on a spare core, and taken by its own call:
     the search prices and decides exactly as it does without it (the winner's stage-mesh
-    variants likewise: a second shape's ILP prepared while the first's solves)."""
-    from autopar.search import ahead, stage_meshes
+    variants likewise: a second shape's ILP prepared while the first's solves). On one
+    process: the layouts pruned depend on when another process's bar arrives."""
+    from autopar.search import ahead, stage_meshes, workers
+
+    monkeypatch.setenv(workers.PROCESSES_ENV, "1")
 
     model, batch = _meta_gpt("tiny4", 16)
     cluster = Cluster.preset("dgx-h100", nodes=1)

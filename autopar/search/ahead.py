@@ -91,6 +91,16 @@ def run_safely(work: Callable[[], None]) -> None:
         pass
 
 
+def forget() -> None:
+    """In a forked process: the parent's solver thread and what it kept are not here (a
+    thread does not survive a fork), so nothing of them is waited on or taken."""
+    global _SOLVER
+    _SOLVER = None
+    _KEPT.clear()
+    _MEANWHILE.clear()
+    _STARTED.clear()
+
+
 def clear() -> None:
     """Drop what was kept (a search ends: its captures and prices go with it), after the
     solves started ahead (none runs on after the search)."""

@@ -103,6 +103,10 @@ _HIGHS_SWITCHES = {
     "mip_heuristic_run_rins": False,
     "mip_heuristic_run_rens": False,
 }
+# one thread per HiGHS solve: the search already solves its problems on a thread each
+# (`solve_all`), and a HiGHS task executor with worker threads does not survive the fork of
+# the layout search's processes (`search.workers`: the child's next solve waits forever)
+_HIGHS_THREADS = 1
 _TR = mathopt.TerminationReason
 _PROVEN_INFEASIBLE = (_TR.INFEASIBLE, _TR.INFEASIBLE_OR_UNBOUNDED)
 
@@ -164,6 +168,7 @@ def _params(solver: mathopt.SolverType, time_limit_s: float) -> mathopt.SolvePar
     else:  # the blocks' `y` weigh a whole matrix: feasibility to 1e-9 of its largest entry
         params.highs.double_options.update(_HIGHS_TOLERANCES)
         params.highs.bool_options.update(_HIGHS_SWITCHES)
+        params.highs.int_options["threads"] = _HIGHS_THREADS
     return params
 
 

@@ -30,7 +30,8 @@ of blocks (they are few: 26 for 48 GPUs and 24 blocks); microbatch sizes grow un
 does not fit. The step time is not unimodal in `pp` (the memory levers switch on and off,
 the divisors jump, a schedule starts to fit), so no degree is skipped on the strength of
 its neighbours: every one is priced, the degrees without a pipeline first (their answer is
-the bar the pipelines must beat). A model without two blocks, or one whose forward updates
+the bar the pipelines must beat). On several cores the degrees are shared out among this
+process and forked ones (`search.workers`), each pricing under the best step any has found. A model without two blocks, or one whose forward updates
 buffers (pipeline stages do not write them back), is searched without pipelines.
 """
 
@@ -55,7 +56,7 @@ from autopar.capture.template import Template, capture_template
 from autopar.cluster import Cluster
 from autopar.cost_models import compute
 from autopar.plan import Plan
-from autopar.search import ahead
+from autopar.search import ahead, workers
 from autopar.search.costs import VIEW_OPS
 from autopar.search.ilp import MemoryInfeasible, SolverTimeout
 from autopar.search.inter_op import Dominated, PipelineOptions
@@ -115,6 +116,8 @@ class LayoutSearch:
     tried: dict[str, float | str] = field(default_factory=dict)  # key -> seconds or why not
     search_time_s: float = 0.0
     templates: dict[int, Template] = field(default_factory=dict)  # microbatch rows -> template
+    # captures a template the search's other processes priced on (`search.workers`)
+    capture: Callable[[int], Template] | None = None
 
     @property
     def best(self) -> Layout:
@@ -130,7 +133,10 @@ class LayoutSearch:
 
     def template_for(self, layout: Layout, rows: int) -> Template | None:
         """The template captured at `layout`'s microbatch shape (None if it cut nothing)."""
-        tpl = self.templates.get(microbatch_rows(rows, layout.microbatches)[0])
+        mb_rows = microbatch_rows(rows, layout.microbatches)[0]
+        if mb_rows not in self.templates and self.capture is not None:
+            self.capture(mb_rows)  # priced on another process: captured here again
+        tpl = self.templates.get(mb_rows)
         return tpl if tpl is not None and tpl.total_layers is not None else None
 
     def fastest_fitting(self, plan_on: Callable[[Layout], Plan], bound: float):
@@ -312,15 +318,16 @@ def _search_layout(
             f"{rows} rows evenly; use a batch divisible by the data-parallel "
             "degree (e.g. a multiple of the device count)"
         )
-    tried: dict[str, float | str] = {}
-    priced: list[tuple[float, float, Layout]] = []
-    degrees = [d for by_degree in candidates.values() for d in by_degree]
-    order = [layout for layouts in pricing_order(degrees) for layout in layouts]
-    pricer.following = dict(itertools.pairwise(order))
+    degrees = pricing_order([d for by_degree in candidates.values() for d in by_degree])
     try:
-        best = price_degrees(
-            degrees, lambda layouts, bar: _price_all(pricer, layouts, schedule, tried, priced, bar)
+        found = workers.price_in_processes(
+            len(degrees),
+            lambda i, nxt, bar: _price_degree(pricer, degrees, i, nxt, schedule, bar),
+            workers.processes_for(len(degrees)),
         )
+        tried = {key: why for degree in found for key, why in degree.tried.items()}
+        priced = [p for degree in found for p in degree.priced]
+        best = fastest([degree.best for degree in found])
         if best is not None and best[2].pp > 1:
             best = min([best, *_price_stage_meshes(pricer, best, tried, priced)], key=_step)
     finally:
@@ -330,7 +337,8 @@ def _search_layout(
             "no layout fits: " + "; ".join(f"{k}: {v}" for k, v in list(tried.items())[:8])
         )
     priced.sort(key=operator.itemgetter(0))  # stable: ties in pricing order, `best` first
-    return LayoutSearch(priced, tried, time.perf_counter() - t0, pricer.templates)
+    elapsed = time.perf_counter() - t0
+    return LayoutSearch(priced, tried, elapsed, pricer.templates, pricer.template)
 
 
 def _step(found: tuple[float, float, Layout]) -> float:
@@ -361,18 +369,37 @@ def _price_stage_meshes(pricer: _Pricer, best, tried: dict, priced: list) -> lis
     return out
 
 
-def price_degrees(degrees: list[list[Layout]], price: Callable) -> tuple | None:
-    """The fastest (step, peak, layout) over every degree: `price(layouts, bar)` gives the
-    fastest of one degree's layouts that beats `bar` (the best step so far), or None. All
-    degrees are offered (the step time is not unimodal in the degree), those without a
-    pipeline first; within a degree, `price` skips the layouts whose lower bound is
-    already `bar` or more."""
+@dataclass
+class DegreePriced:
+    """What pricing one degree's layouts gave (`_price_degree`; sent between processes)."""
+
+    best: tuple[float, float, Layout] | None  # its fastest, None if none beat the bar or fit
+    tried: dict[str, float | str]  # layout key -> seconds or why not, in pricing order
+    priced: list[tuple[float, float, Layout]]  # every layout priced
+
+
+def fastest(found: list[tuple | None]) -> tuple | None:
+    """The fastest of the degrees' answers (in pricing order; None: nothing found), the
+    first in pricing order among equals. Every degree is offered (the step time is not
+    unimodal in the degree); each prices its layouts under the best step found so far."""
     best = None
-    for layouts in pricing_order(degrees):
-        found = price(layouts, math.inf if best is None else best[0])
-        if found is not None and (best is None or found[0] < best[0]):
-            best = found
+    for f in found:
+        if f is not None and (best is None or f[0] < best[0]):
+            best = f
     return best
+
+
+def _price_degree(
+    pricer: _Pricer, degrees: list[list[Layout]], i: int, nxt: int | None, schedule, bar
+) -> DegreePriced:
+    """Degree `i`'s layouts priced (`_price_all`), degree `nxt`'s first one prepared ahead
+    of its own pricing (`_Pricer.prepare_next`: the one this process prices next)."""
+    ahead_of = degrees[i] + (degrees[nxt] if nxt is not None else [])
+    pricer.following = dict(itertools.pairwise(ahead_of))
+    tried: dict[str, float | str] = {}
+    priced: list[tuple[float, float, Layout]] = []
+    best = _price_all(pricer, degrees[i], schedule, tried, priced, bar)
+    return DegreePriced(best, tried, priced)
 
 
 def pricing_order(degrees: list[list[Layout]]) -> list[list[Layout]]:
@@ -381,15 +408,16 @@ def pricing_order(degrees: list[list[Layout]]) -> list[list[Layout]]:
 
 
 def _price_all(
-    pricer: _Pricer, layouts, schedule, tried, priced: list, bar: float = math.inf
+    pricer: _Pricer, layouts, schedule, tried, priced: list, bar: workers.Bar
 ) -> tuple[float, float, Layout] | None:
     """The fastest of one degree's layouts (most microbatches first: once one does not
-    fit, larger microbatches will not either); a layout whose compute bound reaches `bar`
-    cannot win and is not priced, nor are a pipeline's schedules once its ILP's stage work
-    reaches it (`inter_op.Dominated`). Each layout priced is appended to `priced`."""
+    fit, larger microbatches will not either); a layout whose compute bound reaches the
+    bar (the best step so far, read as the layout starts) cannot win and is not priced, nor
+    are a pipeline's schedules once its ILP's stage work reaches it (`inter_op.Dominated`).
+    Each layout priced is appended to `priced` and lowers the bar."""
     best = None
     for layout in layouts:
-        beat = bar if best is None else min(bar, best[0])  # the best so far, this degree's too
+        beat = bar.value if best is None else min(bar.value, best[0])  # this degree's too
         if layout.accumulates and (layout.dp, layout.tp) not in pricer.pressed:
             tried[layout.key] = "skipped: the whole batch fits without memory levers"
             candidate(layout.key, None)
@@ -422,6 +450,7 @@ def _price_all(
         tried[found[2].key] = found[0]
         candidate(found[2].key, found[0])
         priced.append(found)
+        bar.lower(found[0])
         if best is None or found[0] < best[0]:
             best = found
     return best

@@ -10,7 +10,8 @@ The search marks its phases with `phase(name)` (`PHASES`: capture, strategies, c
 layout search, assembly) and reports each priced layout with `candidate(key, seconds)`.
 Without a recording both are free no-ops. A `listener(rec, event)` is called on every phase
 start and every candidate (event = the phase name or "candidate"): the CLI's progress line.
-Single-threaded by design (one search per process at a time).
+Single-threaded by design (one search per process at a time); a search's forked processes
+(`search.workers`) report their candidates and phases to this one's recording.
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ class Recording:
     cpu: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     candidates: int = 0
     best: tuple[str, float] | None = None  # (layout key, step seconds)
+    last: tuple[str, float | None] | None = None  # the latest candidate (key, step or None)
     current: str = ""
     started: float = field(default_factory=time.perf_counter)
     ended: float | None = None
     started_cpu: float = field(default_factory=time.process_time)
     ended_cpu: float | None = None
+    other_cpu: float = 0.0  # CPU seconds of the search's forked processes (`absorb`)
     # [name, start, time in children, CPU start, CPU time in children]
     _stack: list[list] = field(default_factory=list)
 
@@ -44,7 +47,7 @@ class Recording:
 
     @property
     def total_cpu(self) -> float:
-        return (self.ended_cpu or time.process_time()) - self.started_cpu
+        return (self.ended_cpu or time.process_time()) - self.started_cpu + self.other_cpu
 
     def _notify(self, event: str) -> None:
         if self.listener is not None:
@@ -98,9 +101,29 @@ def candidate(key: str, step_time: float | None) -> None:
         return
     rec = _active[-1]
     rec.candidates += 1
+    rec.last = (key, step_time)
     if step_time is not None and (rec.best is None or step_time < rec.best[1]):
         rec.best = (key, step_time)
     rec._notify("candidate")
+
+
+def absorb(phases: dict[str, float], cpu: dict[str, float], total_cpu: float) -> None:
+    """Add a forked search process's phase times and CPU seconds (`search.workers`) to the
+    recording: the phases then sum the work of every process (more than the wall time
+    when they ran at once), the total stays this process's wall time."""
+    if not _active:
+        return
+    rec = _active[-1]
+    for name, secs in phases.items():
+        rec.phases[name] = rec.phases.get(name, 0.0) + secs
+    for name, secs in cpu.items():
+        rec.cpu[name] = rec.cpu.get(name, 0.0) + secs
+    rec.other_cpu += total_cpu
+
+
+def forget() -> None:
+    """In a forked process: the parent's recordings are the parent's to report."""
+    _active.clear()
 
 
 def format_phases(rec: Recording) -> str:

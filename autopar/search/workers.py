@@ -1,0 +1,215 @@
+"""The layout search's degrees priced on this process and forked ones at once.
+
+    results = price_in_processes(count, price, processes_for(count))
+
+The search's Python (a candidate's strategies, prices, ILP problems and schedules) runs on
+one core; HiGHS runs beside it only while a solve does (`search.ahead`). On a machine of
+several cores the degrees are shared out: `processes - 1` processes are forked when the
+pricing starts, and each process, this one too, takes the next degree no process has taken
+(in pricing order) and prices it with `price(i, nxt, bar)`: `nxt` the degree it will take
+next (what it prepares ahead), `bar` the best step any process has found so far (`Bar`,
+read as each layout starts, lowered as each is priced). A forked process sends what each
+degree gave (`price`'s picklable answer) and its progress events (`search.progress`:
+candidates, then its phases' times) to this one, which returns the answers in pricing
+order. What a degree gives depends on the bar it was priced under (which layouts were
+pruned before their ILP or schedules), so only that, not the winner, depends on how the
+processes' work interleaved: a layout pruned under another process's bar has a lower bound
+at or above a step some layout reached.
+
+Forking is safe here because it happens before this search solves anything and because
+nothing the child runs needs a thread the parent had: `ilp` runs HiGHS with one thread per
+problem (a HiGHS task executor with worker threads does not survive a fork: the child's
+next solve would wait on them forever), the solver thread of `search.ahead` is forgotten in
+the child (`ahead.forget`), and torch runs on one thread there. A forked process that fails
+or dies leaves its unreported degrees to this one, which prices them again (a warning names
+the failure; an error of the degree itself is then raised here, with its traceback).
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import sys
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from autopar.search import ahead, progress
+
+# fewer degrees than this are priced on one process: forking and capturing the templates
+# again on the other side cost more than their pricing saves (a test model's few degrees)
+MIN_DEGREES = 8
+PROCESSES_ENV = "AUTOPAR_SEARCH_PROCESSES"  # "1": price every degree on this process
+
+
+class Bar:
+    """The best step found so far by any process (shared memory when processes share it)."""
+
+    def __init__(self, shared=None) -> None:
+        self._shared = shared
+        self._value = math.inf
+
+    @property
+    def value(self) -> float:
+        return self._shared.value if self._shared is not None else self._value
+
+    def lower(self, step: float) -> None:
+        if self._shared is None:
+            self._value = min(self._value, step)
+            return
+        with self._shared.get_lock():
+            self._shared.value = min(self._shared.value, step)
+
+
+def processes_for(degrees: int) -> int:
+    """How many processes price `degrees` degrees: one per core where processes can be
+    forked and the degrees are `MIN_DEGREES` or more, or as many as
+    `AUTOPAR_SEARCH_PROCESSES` asks (at most one per degree)."""
+    if not can_fork() or degrees < MIN_DEGREES:
+        return 1
+    asked = os.environ.get(PROCESSES_ENV)
+    return max(1, min(int(asked) if asked else ahead.cores(), degrees))
+
+
+def can_fork() -> bool:
+    """Forked processes behave: on Linux (macOS's system libraries do not survive a fork),
+    in a process that has not initialized CUDA (a forked child cannot use it)."""
+    import torch
+
+    linux = sys.platform.startswith("linux")
+    return (
+        linux
+        and "fork" in multiprocessing.get_all_start_methods()
+        and not (torch.cuda.is_initialized())
+    )
+
+
+@dataclass
+class _Child:
+    process: multiprocessing.process.BaseProcess
+    conn: object  # this end of its pipe
+    done: bool = False
+    failure: str | None = None
+
+
+@dataclass
+class _Run:
+    count: int
+    price: Callable
+    claimed: object  # shared counter: the next degree no process has taken
+    bar: Bar
+    results: dict[int, object] = field(default_factory=dict)
+
+    def claim(self) -> int | None:
+        with self.claimed.get_lock():
+            i = self.claimed.value
+            self.claimed.value = i + 1
+        return i if i < self.count else None
+
+    def walk(self, report: Callable[[int, object], None]) -> None:
+        """Take degrees until none is left, each priced and reported."""
+        cur = self.claim()
+        while cur is not None:
+            nxt = self.claim()
+            report(cur, self.price(cur, nxt, self.bar))
+            cur = nxt
+
+
+def price_in_processes(count: int, price: Callable, processes: int) -> list:
+    """`price(i, nxt, bar)` of every degree index `i` in `range(count)`, in that order, on
+    `processes` processes (this one and forked ones)."""
+    if processes <= 1:
+        bar, out = Bar(), []
+        for i in range(count):
+            out.append(price(i, i + 1 if i + 1 < count else None, bar))
+        return out
+    ctx = multiprocessing.get_context("fork")
+    run = _Run(count, price, ctx.Value("i", 0), Bar(ctx.Value("d", math.inf)))
+    children = [_fork(ctx, run) for _ in range(processes - 1)]
+    try:
+
+        def report(i: int, result: object) -> None:
+            run.results[i] = result
+            _drain(children, run, wait=False)
+
+        run.walk(report)
+        with progress.phase("waiting"):
+            while not all(c.done for c in children):
+                _drain(children, run, wait=True)
+    finally:
+        for c in children:
+            if c.process.is_alive() and not c.done:
+                c.process.terminate()
+            c.process.join()
+    for c in children:
+        if c.failure:
+            warnings.warn(
+                f"a search process failed ({c.failure}); its degrees were priced again here",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    missing = [i for i in range(count) if i not in run.results]
+    for i in missing:  # a failed or dead process's degrees
+        run.results[i] = price(i, None, run.bar)
+    return [run.results[i] for i in range(count)]
+
+
+def _fork(ctx, run: _Run) -> _Child:
+    parent_end, child_end = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=_child_main, args=(run, child_end), daemon=True)
+    process.start()
+    child_end.close()
+    return _Child(process, parent_end)
+
+
+def _child_main(run: _Run, conn) -> None:
+    """A forked process: take degrees and send each one's answer, its candidates as they
+    are priced, then its phases' times."""
+    import torch
+
+    torch.set_num_threads(1)
+    ahead.forget()
+    progress.forget()
+
+    def relay(rec: progress.Recording, event: str) -> None:
+        if event == "candidate":
+            conn.send(("candidate", *rec.last))
+
+    try:
+        with progress.recording(relay) as rec:
+            run.walk(lambda i, result: conn.send(("degree", i, result)))
+        conn.send(("done", dict(rec.phases), dict(rec.cpu), rec.total_cpu))
+    except BaseException as exc:  # noqa: BLE001 - the parent prices the degree again
+        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        conn.send(("failed", last))
+    finally:
+        conn.close()
+
+
+def _drain(children: list[_Child], run: _Run, wait: bool) -> None:
+    """Handle what the children sent (blocking up to a moment when `wait`)."""
+    for c in children:
+        if c.done:
+            continue
+        while c.conn.poll(0.05 if wait else 0):
+            try:
+                message = c.conn.recv()
+            except EOFError:  # died without a word
+                c.done, c.failure = True, c.failure or "it exited unexpectedly"
+                break
+            kind, *rest = message
+            if kind == "candidate":
+                progress.candidate(*rest)
+            elif kind == "degree":
+                run.results[rest[0]] = rest[1]
+            elif kind == "done":
+                progress.absorb(*rest)
+                c.done = True
+            else:  # "failed"
+                c.done, c.failure = True, rest[0]
+            if c.done:
+                break
+        if not c.done and not c.process.is_alive() and not c.conn.poll(0):
+            c.done, c.failure = True, f"it exited with code {c.process.exitcode}"
