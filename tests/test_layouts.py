@@ -158,9 +158,10 @@ def test_every_degree_is_priced_without_assuming_unimodal_step_times() -> None:
 
 
 def test_degrees_priced_on_forked_processes_come_back_in_pricing_order() -> None:
-    """On two processes every degree is priced once, by either, under the bar of both
-    (the best any has found when a degree starts), and the answers come back in pricing
-    order with the winner the one process would pick: the first among equals."""
+    """On two processes every degree is priced once, by either (this one from the first
+    on, the other from the last back), under the bar of both (the best any has found when
+    a degree starts), and the answers come back in pricing order with the winner the one
+    process would pick: the first among equals."""
     import os
     import time
 
@@ -170,7 +171,7 @@ def test_degrees_priced_on_forked_processes_come_back_in_pricing_order() -> None
     steps = [3.0, 2.5, None, 1.0, 4.0, 1.0, 2.0, None, 0.5, 0.5, 6.0]
 
     def price(i, nxt, bar):
-        assert nxt is None or nxt > i  # the next degree this process takes is a later one
+        assert nxt is None or nxt != i  # the next degree this process takes is another
         time.sleep(0.05)  # long enough for the forked process to start and take some
         seen = bar.value
         if steps[i] is not None:
@@ -181,6 +182,7 @@ def test_degrees_priced_on_forked_processes_come_back_in_pricing_order() -> None
     out = price_in_processes(len(steps), price, 2)
     assert [i for i, *_ in out] == list(range(len(steps)))
     assert len({pid for _, pid, _, _ in out}) == 2  # both processes priced some
+    assert out[0][1] == os.getpid() != out[-1][1]  # this one the first, the other the last
     for _, _, seen, _ in out:  # each degree saw a bar some degree's step had set, or none
         assert seen == math.inf or seen in steps
     best = fastest([found for *_, found in out])

@@ -5,10 +5,13 @@
 The search's Python (a candidate's strategies, prices, ILP problems and schedules) runs on
 one core; HiGHS runs beside it only while a solve does (`search.ahead`). On a machine of
 several cores the degrees are shared out: `processes - 1` processes are forked when the
-pricing starts, and each process, this one too, takes the next degree no process has taken
-(in pricing order) and prices it with `price(i, nxt, bar)`: `nxt` the degree it will take
-next (what it prepares ahead), `bar` the best step any process has found so far (`Bar`,
-read as each layout starts, lowered as each is priced). A forked process sends what each
+pricing starts; this one takes the degrees from the first in pricing order on (the ones
+without a pipeline, whose answer is the bar the others must beat), the forked ones from
+the last back (the deepest pipelines on the widest tensor parallelism, where the largest
+models find their best), each the next no process has taken, until they meet. Each prices
+a degree with `price(i, nxt, bar)`: `nxt` the degree it will take next (what it prepares
+ahead), `bar` the best step any process has found so far (`Bar`, read as each layout
+starts, lowered as each is priced). A forked process sends what each
 degree gave (`price`'s picklable answer) and its progress events (`search.progress`:
 candidates, then its phases' times) to this one, which returns the answers in pricing
 order. What a degree gives depends on the bar it was priced under (which layouts were
@@ -98,21 +101,24 @@ class _Child:
 class _Run:
     count: int
     price: Callable
-    claimed: object  # shared counter: the next degree no process has taken
+    ends: object  # shared (first, last) of the degrees no process has taken yet
     bar: Bar
     results: dict[int, object] = field(default_factory=dict)
 
-    def claim(self) -> int | None:
-        with self.claimed.get_lock():
-            i = self.claimed.value
-            self.claimed.value = i + 1
-        return i if i < self.count else None
+    def claim(self, from_back: bool) -> int | None:
+        """The first (this process) or the last (a forked one) degree not yet taken."""
+        with self.ends.get_lock():
+            first, last = self.ends[0], self.ends[1]
+            if first > last:
+                return None
+            self.ends[1 if from_back else 0] = last - 1 if from_back else first + 1
+        return last if from_back else first
 
-    def walk(self, report: Callable[[int, object], None]) -> None:
-        """Take degrees until none is left, each priced and reported."""
-        cur = self.claim()
+    def walk(self, report: Callable[[int, object], None], from_back: bool) -> None:
+        """Take degrees from one end until none is left, each priced and reported."""
+        cur = self.claim(from_back)
         while cur is not None:
-            nxt = self.claim()
+            nxt = self.claim(from_back)
             report(cur, self.price(cur, nxt, self.bar))
             cur = nxt
 
@@ -126,7 +132,7 @@ def price_in_processes(count: int, price: Callable, processes: int) -> list:
             out.append(price(i, i + 1 if i + 1 < count else None, bar))
         return out
     ctx = multiprocessing.get_context("fork")
-    run = _Run(count, price, ctx.Value("i", 0), Bar(ctx.Value("d", math.inf)))
+    run = _Run(count, price, ctx.Array("i", [0, count - 1]), Bar(ctx.Value("d", math.inf)))
     children = [_fork(ctx, run) for _ in range(processes - 1)]
     try:
 
@@ -134,7 +140,7 @@ def price_in_processes(count: int, price: Callable, processes: int) -> list:
             run.results[i] = result
             _drain(children, run, wait=False)
 
-        run.walk(report)
+        run.walk(report, from_back=False)
         with progress.phase("waiting"):
             while not all(c.done for c in children):
                 _drain(children, run, wait=True)
@@ -179,7 +185,7 @@ def _child_main(run: _Run, conn) -> None:
 
     try:
         with progress.recording(relay) as rec:
-            run.walk(lambda i, result: conn.send(("degree", i, result)))
+            run.walk(lambda i, result: conn.send(("degree", i, result)), from_back=True)
         conn.send(("done", dict(rec.phases), dict(rec.cpu), rec.total_cpu))
     except BaseException as exc:  # noqa: BLE001 - the parent prices the degree again
         last = traceback.format_exception_only(type(exc), exc)[-1].strip()
