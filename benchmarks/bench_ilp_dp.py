@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -47,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_search import build_row  # noqa: E402
 
 import autopar  # noqa: E402
-from autopar.search import ilp  # noqa: E402
+from autopar.search import ilp, workers  # noqa: E402
 from autopar.search.ilp_problem import IntraOpProblem, evaluate  # noqa: E402
 from autopar.views.bench import write_rows_csv  # noqa: E402
 
@@ -56,18 +57,25 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 @contextmanager
 def recorded_problems(into: list[IntraOpProblem]):
-    """Every problem `ilp.solve_all` solves while inside, appended to `into`."""
+    """Every problem `ilp.solve_all` solves while inside, appended to `into` (the search on
+    one process: a forked one's problems would stay there, `search.workers`)."""
     solve = ilp.solve_intra_op
+    processes = os.environ.get(workers.PROCESSES_ENV)
 
     def recording(problem, **kw):
         into.append(problem)
         return solve(problem, **kw)
 
     ilp.solve_intra_op = recording
+    os.environ[workers.PROCESSES_ENV] = "1"
     try:
         yield
     finally:
         ilp.solve_intra_op = solve
+        if processes is None:
+            os.environ.pop(workers.PROCESSES_ENV)
+        else:
+            os.environ[workers.PROCESSES_ENV] = processes
 
 
 # ---- factors -----------------------------------------------------------------------------
