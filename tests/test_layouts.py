@@ -190,8 +190,8 @@ def test_degrees_priced_on_forked_processes_come_back_in_pricing_order() -> None
 
 
 def test_a_failed_search_process_leaves_its_degrees_to_this_one() -> None:
-    """A forked process whose pricing raises: its degree (and every degree it would have
-    taken) is priced again on this process, with a warning naming the failure."""
+    """A forked process whose pricing raises, or that dies: its degree (and every degree
+    it would have taken) is priced again on this process, with a warning naming why."""
     import os
     import time
 
@@ -207,6 +207,16 @@ def test_a_failed_search_process_leaves_its_degrees_to_this_one() -> None:
 
     with pytest.warns(RuntimeWarning, match="boom in the child"):
         out = price_in_processes(6, price, 2)
+    assert out == [0, 10, 20, 30, 40, 50]
+
+    def dies(i, nxt, bar):  # a child that exits without a word (killed, out of memory)
+        time.sleep(0.05)
+        if os.getpid() != parent:
+            os._exit(3)
+        return i * 10
+
+    with pytest.warns(RuntimeWarning, match="exited unexpectedly"):
+        out = price_in_processes(6, dies, 2)
     assert out == [0, 10, 20, 30, 40, 50]
 
 

@@ -13,7 +13,8 @@ a degree with `price(i, nxt, bar)`: `nxt` the degree it will take next (what it 
 ahead), `bar` the best step any process has found so far (`Bar`, read as each layout
 starts, lowered as each is priced). A forked process sends what each
 degree gave (`price`'s picklable answer) and its progress events (`search.progress`:
-candidates, then its phases' times) to this one, which returns the answers in pricing
+candidates, then its phases' times) to this one (a thread here reads each child's pipe as
+it comes, so a child never waits on a full pipe), which returns the answers in pricing
 order. What a degree gives depends on the bar it was priced under (which layouts were
 pruned before their ILP or schedules), so only that, not the winner, depends on how the
 processes' work interleaved: a layout pruned under another process's bar has a lower bound
@@ -33,7 +34,9 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import queue
 import sys
+import threading
 import traceback
 import warnings
 from collections.abc import Callable
@@ -81,18 +84,14 @@ def can_fork() -> bool:
     in a process that has not initialized CUDA (a forked child cannot use it)."""
     import torch
 
-    linux = sys.platform.startswith("linux")
-    return (
-        linux
-        and "fork" in multiprocessing.get_all_start_methods()
-        and not (torch.cuda.is_initialized())
-    )
+    forks = sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
+    return forks and not torch.cuda.is_initialized()
 
 
 @dataclass
 class _Child:
     process: multiprocessing.process.BaseProcess
-    conn: object  # this end of its pipe
+    reader: threading.Thread  # moves what it sends into the inbox (its pipe never fills)
     done: bool = False
     failure: str | None = None
 
@@ -133,22 +132,24 @@ def price_in_processes(count: int, price: Callable, processes: int) -> list:
         return out
     ctx = multiprocessing.get_context("fork")
     run = _Run(count, price, ctx.Array("i", [0, count - 1]), Bar(ctx.Value("d", math.inf)))
-    children = [_fork(ctx, run) for _ in range(processes - 1)]
+    inbox: queue.Queue = queue.Queue()
+    children = [_fork(ctx, run, inbox, k) for k in range(processes - 1)]
     try:
 
         def report(i: int, result: object) -> None:
             run.results[i] = result
-            _drain(children, run, wait=False)
+            _drain(children, run, inbox, wait=False)
 
         run.walk(report, from_back=False)
         with progress.phase("waiting"):
             while not all(c.done for c in children):
-                _drain(children, run, wait=True)
+                _drain(children, run, inbox, wait=True)
     finally:
         for c in children:
             if c.process.is_alive() and not c.done:
                 c.process.terminate()
             c.process.join()
+            c.reader.join()
     for c in children:
         if c.failure:
             warnings.warn(
@@ -162,12 +163,29 @@ def price_in_processes(count: int, price: Callable, processes: int) -> list:
     return [run.results[i] for i in range(count)]
 
 
-def _fork(ctx, run: _Run) -> _Child:
+def _fork(ctx, run: _Run, inbox: queue.Queue, k: int) -> _Child:
+    """Forked process `k`, and the thread here that reads what it sends into `inbox`."""
     parent_end, child_end = ctx.Pipe(duplex=False)
     process = ctx.Process(target=_child_main, args=(run, child_end), daemon=True)
     process.start()
     child_end.close()
-    return _Child(process, parent_end)
+    reader = threading.Thread(target=_read, args=(parent_end, k, inbox), daemon=True)
+    reader.start()
+    return _Child(process, reader)
+
+
+def _read(conn, k: int, inbox: queue.Queue) -> None:
+    """Child `k`'s messages into `inbox` as they come, then ("eof",) if it ended unheard."""
+    with conn:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                inbox.put((k, ("eof",)))
+                return
+            inbox.put((k, message))
+            if message[0] in ("done", "failed"):
+                return
 
 
 def _child_main(run: _Run, conn) -> None:
@@ -194,28 +212,26 @@ def _child_main(run: _Run, conn) -> None:
         conn.close()
 
 
-def _drain(children: list[_Child], run: _Run, wait: bool) -> None:
-    """Handle what the children sent (blocking up to a moment when `wait`)."""
-    for c in children:
-        if c.done:
-            continue
-        while c.conn.poll(0.05 if wait else 0):
-            try:
-                message = c.conn.recv()
-            except EOFError:  # died without a word
-                c.done, c.failure = True, c.failure or "it exited unexpectedly"
-                break
-            kind, *rest = message
-            if kind == "candidate":
-                progress.candidate(*rest)
-            elif kind == "degree":
-                run.results[rest[0]] = rest[1]
-            elif kind == "done":
-                progress.absorb(*rest)
-                c.done = True
-            else:  # "failed"
-                c.done, c.failure = True, rest[0]
-            if c.done:
-                break
-        if not c.done and not c.process.is_alive() and not c.conn.poll(0):
-            c.done, c.failure = True, f"it exited with code {c.process.exitcode}"
+def _drain(children: list[_Child], run: _Run, inbox: queue.Queue, wait: bool) -> None:
+    """Handle what the children sent (waiting up to a moment for a first message when
+    `wait`): their candidates to this process's progress, their degrees' answers to `run`."""
+    try:
+        k, message = inbox.get(timeout=0.1) if wait else inbox.get_nowait()
+    except queue.Empty:
+        return
+    while True:
+        c = children[k]
+        kind, *rest = message
+        if kind == "candidate":
+            progress.candidate(*rest)
+        elif kind == "degree":
+            run.results[rest[0]] = rest[1]
+        elif kind == "done":
+            progress.absorb(*rest)
+            c.done = True
+        elif not c.done:  # "failed", or "eof": it died without a word
+            c.done, c.failure = True, rest[0] if rest else "it exited unexpectedly"
+        try:
+            k, message = inbox.get_nowait()
+        except queue.Empty:
+            return
