@@ -81,11 +81,13 @@ def processes_for(degrees: int) -> int:
 
 def can_fork() -> bool:
     """Forked processes behave: on Linux (macOS's system libraries do not survive a fork),
-    in a process that has not initialized CUDA (a forked child cannot use it)."""
+    in a process that has not initialized CUDA (a forked child cannot use it) and may have
+    children (a multiprocessing pool's worker is daemonic: it may not)."""
     import torch
 
     forks = sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
-    return forks and not torch.cuda.is_initialized()
+    daemonic = multiprocessing.current_process().daemon
+    return forks and not daemonic and not torch.cuda.is_initialized()
 
 
 @dataclass
