@@ -149,6 +149,36 @@ def test_the_layout_search_offers_the_winners_ranks_other_shapes(monkeypatch) ->
     assert pinned.nodes == plan.nodes and pinned.pipeline == plan.pipeline
 
 
+def test_each_stage_ilp_of_a_search_is_priced_once(monkeypatch) -> None:
+    """The winner's own stage mesh among its stage-mesh variants, and in its final plan, is
+    the ILP its pricing solved (`Captured.solved`, by `solve_intra`'s arguments): no
+    problem is built twice in one plan, and the plan is the one solving again gives."""
+    import autopar
+    from autopar.search import intra_op
+    from samples import get_sample
+
+    sample = get_sample("gpt")
+    model = sample.build("small", device="meta")
+    batch = sample.example_batch(model, 16, device="meta")
+    cluster = autopar.Cluster.preset("cpu", nodes=2, devices_per_node=4)
+    built, prepare = [], intra_op._prepare
+
+    def counting(*args):
+        built.append(intra_op._prepared_key(*args))
+        return prepare(*args)
+
+    monkeypatch.setattr(intra_op, "_prepare", counting)
+    plan = autopar.plan(model, batch, cluster=cluster)
+    assert plan.pipeline is not None  # a pipeline won, and a variant of it was priced
+    assert any(" ranks " in key for key in plan.solver["layout_candidates"])
+    assert len(built) == len(set(built)), "a problem was built twice"
+    monkeypatch.undo()
+    unsolved = property(lambda self: {}, lambda self, value: None)  # nothing kept
+    monkeypatch.setattr(autopar.capture.export.Captured, "solved", unsolved, raising=False)
+    again = autopar.plan(model, batch, cluster=cluster)  # every ILP solved every time
+    assert again.nodes == plan.nodes and again.pipeline == plan.pipeline
+
+
 def test_the_tied_gradients_sum_over_pp_is_priced() -> None:
     """GPT's embedding and head share a weight: after the schedule every pipeline rank
     joins its gradients' all-reduce over pp (`PipelineModel._sync_tied_grads`), of the

@@ -67,6 +67,10 @@ class Captured:
     mutated_buffers: list[str] = field(default_factory=list)
     # built from a template rather than traced (`Template.whole_model`)
     from_template: bool = False
+    # `search.intra_op.solve_intra`'s answers on this graph, by its arguments: the same ILP
+    # asked again (a pipeline winner's stage mesh, again among its stage-mesh variants and
+    # in its final plan) is solved once
+    solved: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def loss_node(self) -> fx.Node:

@@ -261,7 +261,10 @@ def solve_intra(
     options = options or SearchOptions()
     t0 = time.perf_counter()
     args = (captured, cluster, mesh, options, weights, memory_limit, comm)
-    found = ahead.take(_prepared_key(*args))
+    key = _prepared_key(*args)
+    if key in captured.solved:  # this very problem, solved before
+        return captured.solved[key]
+    found = ahead.take(key)
     strats, scales, built, solving = found[1:] if found is not None else (*_prepare(*args), None)
     best, solve_s, seen = None, 0.0, set()
     with phase("ILP"):
@@ -293,6 +296,7 @@ def solve_intra(
     best.info.update(
         solve_time_s=solve_s, search_time_s=time.perf_counter() - t0, step_candidates=len(seen)
     )
+    captured.solved[key] = best
     return best
 
 
@@ -309,7 +313,7 @@ def prepare_intra(
     the priced problems), computed now and kept for that call (`search.ahead`)."""
     args = (captured, cluster, mesh, options, weights, memory_limit, comm)
     key = _prepared_key(*args)
-    if not ahead.kept(key):
+    if not ahead.kept(key) and key not in captured.solved:
         strats, scales, built = _prepare(*args)
         solving = ahead.start(solve_all, built.problems) if ahead.spare_core() else None
         # `captured` kept alive: its id is in the key
