@@ -31,8 +31,9 @@ does not fit. The step time is not unimodal in `pp` (the memory levers switch on
 the divisors jump, a schedule starts to fit), so no degree is skipped on the strength of
 its neighbours: every one is priced, the degrees without a pipeline first (their answer is
 the bar the pipelines must beat). On several cores the degrees are shared out among this
-process and forked ones (`search.workers`), each pricing under the best step any has found. A model without two blocks, or one whose forward updates
-buffers (pipeline stages do not write them back), is searched without pipelines.
+process and forked ones (`search.workers`), each pricing under the best step any has found.
+A model without two blocks, or one whose forward updates buffers (pipeline stages do not
+write them back), is searched without pipelines.
 """
 
 from __future__ import annotations
@@ -327,7 +328,7 @@ def _search_layout(
         )
         tried = {key: why for degree in found for key, why in degree.tried.items()}
         priced = [p for degree in found for p in degree.priced]
-        best = fastest([degree.best for degree in found])
+        best = fastest(priced)
         if best is not None and best[2].pp > 1:
             best = min([best, *_price_stage_meshes(pricer, best, tried, priced)], key=_step)
     finally:
@@ -373,14 +374,13 @@ def _price_stage_meshes(pricer: _Pricer, best, tried: dict, priced: list) -> lis
 class DegreePriced:
     """What pricing one degree's layouts gave (`_price_degree`; sent between processes)."""
 
-    best: tuple[float, float, Layout] | None  # its fastest, None if none beat the bar or fit
     tried: dict[str, float | str]  # layout key -> seconds or why not, in pricing order
     priced: list[tuple[float, float, Layout]]  # every layout priced
 
 
 def fastest(found: list[tuple | None]) -> tuple | None:
-    """The fastest of the degrees' answers (in pricing order; None: nothing found), the
-    first in pricing order among equals. Every degree is offered (the step time is not
+    """The fastest of (step, peak, layout)s in pricing order (None: nothing found there),
+    the first in pricing order among equals. Every degree is offered (the step time is not
     unimodal in the degree); each prices its layouts under the best step found so far."""
     best = None
     for f in found:
@@ -398,8 +398,8 @@ def _price_degree(
     pricer.following = dict(itertools.pairwise(ahead_of))
     tried: dict[str, float | str] = {}
     priced: list[tuple[float, float, Layout]] = []
-    best = _price_all(pricer, degrees[i], schedule, tried, priced, bar)
-    return DegreePriced(best, tried, priced)
+    _price_all(pricer, degrees[i], schedule, tried, priced, bar)
+    return DegreePriced(tried, priced)
 
 
 def pricing_order(degrees: list[list[Layout]]) -> list[list[Layout]]:

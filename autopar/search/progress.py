@@ -127,7 +127,8 @@ def forget() -> None:
 
 
 def format_phases(rec: Recording) -> str:
-    """One line per phase and the total, seconds; then this process's CPU seconds."""
+    """One line per phase and the total, seconds; then the CPU seconds of this process and
+    of the search's forked ones."""
     rows = [f"  {name:<14} {secs:7.2f} s" for name, secs in rec.phases.items()]
     rows.append(f"  {'total':<14} {rec.total:7.2f} s")
     cpu = ", ".join(f"{name} {rec.cpu.get(name, 0.0):.2f}" for name in rec.phases)

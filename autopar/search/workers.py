@@ -100,7 +100,6 @@ class _Child:
 
 @dataclass
 class _Run:
-    count: int
     price: Callable
     ends: object  # shared (first, last) of the degrees no process has taken yet
     bar: Bar
@@ -133,7 +132,7 @@ def price_in_processes(count: int, price: Callable, processes: int) -> list:
             out.append(price(i, i + 1 if i + 1 < count else None, bar))
         return out
     ctx = multiprocessing.get_context("fork")
-    run = _Run(count, price, ctx.Array("i", [0, count - 1]), Bar(ctx.Value("d", math.inf)))
+    run = _Run(price, ctx.Array("i", [0, count - 1]), Bar(ctx.Value("d", math.inf)))
     inbox: queue.Queue = queue.Queue()
     children = [_fork(ctx, run, inbox, k) for k in range(processes - 1)]
     try:
