@@ -24,7 +24,16 @@ from autopar._compat import FakeStore
 from autopar.cli.sources import load_model
 from autopar.cost_models.buckets import bucket_plan
 from autopar.options import PlanOptions
-from autopar.passes.comm import ALL_GATHER, OFF, UNPACK, VIEWS, WAITS, CommOptions
+from autopar.passes.comm import (
+    ALL_GATHER,
+    COPIES,
+    OFF,
+    PIECES,
+    UNPACK,
+    VIEWS,
+    WAITS,
+    CommOptions,
+)
 from autopar.passes.recompute import is_backward, layer_of
 from autopar.passes.shape_reads import FILLS
 from autopar.rank_plans import plan_for_ranks
@@ -160,12 +169,37 @@ def _check_schedule(gm, lowered) -> None:
         # same point aside); a parameter gather: prefetched one ahead, at the previous
         # gather's wait
         assert all(_is_comm(n) for n in between) or _prefetched(c, nodes, copy_in), c.name
+        if _reduces_gradient(wait):  # its flat input made right after its last member
+            packed = _packed_members(c)
+            made = max(pos[m] for m in packed)
+            between = [n for n in nodes[made + 1 : pos[c]] if n not in _packing_of(c)]
+            assert all(_is_comm(n) for n in between), (c.name, between)
         readers = [u for u in wait.users]
         first = min(pos[u] for u in readers)
         between = nodes[pos[wait] + 1 : first]
         unpack = _unpacking(wait)  # a fused result's split and copies, made at its wait
         ok = [_is_comm(n) or n.target in VIEWS or n in copy_in or n in unpack for n in between]
         assert all(ok), (wait, between)
+
+
+_PACKS = VIEWS | COPIES | PIECES | {torch.ops.aten.cat.default}
+
+
+def _packing_of(c) -> set:
+    """The views, copies and concatenation that make collective `c`'s flat input."""
+    out, todo = set(), list(c.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n.target in _PACKS and n not in out:
+            out.add(n)
+            todo.extend(n.all_input_nodes)
+    return out
+
+
+def _packed_members(c) -> list:
+    """What the packing of `c` reads: the members' computed gradients."""
+    packing = _packing_of(c)
+    return [a for n in packing | {c} for a in n.all_input_nodes if a not in packing]
 
 
 def _reduces_gradient(wait) -> bool:

@@ -77,6 +77,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from autopar.passes.comm_buckets import (  # noqa: F401 - the pass's vocabulary, read here too
@@ -185,10 +186,21 @@ def _schedule(graph: fx.Graph) -> None:
     end = len(nodes) - 1
     eager = {c for c in starts if c.users and all(_first_use(w, pos) == end for w in c.users)}
     eager -= chained
+    # a bucket's flat input (its members' views and their concatenation, made where the
+    # bucket stood: after its last member) is made with it, as soon as its members exist
+    packing = _packing_inputs(nodes, eager)
+    lazy |= packing
+    needs = _needs_beyond(eager, packing, after)  # bucket -> what its packing reads
+    waiting: dict[fx.Node, list[fx.Node]] = {}
+    for c, outside in needs.items():
+        for a in outside:
+            waiting.setdefault(a, []).append(c)
     order: list[fx.Node] = []
     done: set[fx.Node] = set()
 
     def issuable(n: fx.Node) -> bool:  # all it needs is emitted, or is its own copy-in
+        if n in needs:
+            return all(a in done for a in needs[n])
         return all(
             a in done or (a in copy_in and issuable(a))
             for a in [*n.all_input_nodes, *after.get(n, ())]
@@ -209,8 +221,10 @@ def _schedule(graph: fx.Graph) -> None:
         done.add(n)
         for t in tails.get(n, ()):  # a fused result's members, made at once
             emit(t)
-        for u in [*n.users, *followers.get(n, ())]:  # what this lets be issued
-            issue(u)
+        if n in packing:  # made by its collective's `emit`, which issues it next
+            return
+        for u in [*n.users, *followers.get(n, ()), *waiting.get(n, ())]:  # what this lets
+            issue(u)  # be issued
         if n in next_of_wait:  # prefetch the next parameter gather
             eager.add(next_of_wait[n])
             issue(next_of_wait[n])
@@ -278,6 +292,46 @@ def _prefetch_inputs(nodes: list[fx.Node], chained: set[fx.Node]) -> set[fx.Node
         ):
             inputs.add(n)
     return inputs
+
+
+def _packing_inputs(nodes: list[fx.Node], eager: set[fx.Node]) -> set[fx.Node]:
+    """Views, pads, copies and concatenations read only on the way to an eagerly issued
+    collective (a gradient bucket's flat input): made when the collective is issued, not
+    where the bucket stood (after its last member, often at the backward's end)."""
+    packing: set[fx.Node] = set()
+    packs = VIEWS | COPIES | PIECES | {torch.ops.aten.cat.default}
+    for n in reversed(nodes):
+        if (
+            n.op == "call_function"
+            and n.target in packs
+            and n.users
+            and all(u in eager or u in packing for u in n.users)
+        ):
+            packing.add(n)
+    return packing
+
+
+def _needs_beyond(
+    eager: set[fx.Node], packing: set[fx.Node], after: dict[fx.Node, list[fx.Node]]
+) -> dict[fx.Node, set[fx.Node]]:
+    """For each collective with a flat input made by `packing` nodes: the nodes outside
+    them that it and they read (or must follow): what must be emitted to issue it."""
+    needs: dict[fx.Node, set[fx.Node]] = {}
+    for c in eager:
+        seen: set[fx.Node] = set()
+        outside: set[fx.Node] = set()
+        todo = [c]
+        while todo:
+            n = todo.pop()
+            for a in [*n.all_input_nodes, *after.get(n, ())]:
+                if a not in packing:
+                    outside.add(a)
+                elif a not in seen:
+                    seen.add(a)
+                    todo.append(a)
+        if seen:
+            needs[c] = outside
+    return needs
 
 
 def _mutation_edges(nodes: list[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
