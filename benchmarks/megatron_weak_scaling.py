@@ -16,10 +16,12 @@ and activation recompute per layer where it pays (searched), by autopar's cost m
 roofline at the achieved efficiencies of the `dgx-h100` preset (GEMM, attention,
 memory-bound kernels, launches), collectives at nccl-tests bus bandwidth (ring/tree), and
 the overlap autopar's runtime gets (`passes.comm`: bucketed gradient reductions issued
-during backward, prefetched gathers; `cost_models.buckets`). Megatron-Core's H100 runs also
-overlap the tensor-parallel all-gathers and reduce-scatters with the GEMMs
-(`--tp-comm-overlap`), which autopar does not run, so the priced Megatron rows with TP 8
-(32b) are slower than measured by about that communication.
+during backward, prefetched gathers; `cost_models.buckets`; a column-parallel Linear's
+input-gradient all-reduce issued before its weight gradient is computed, as Megatron's
+asynchronous TP all-reduce, `search.step`). Megatron-Core's H100 runs also overlap the
+forward's tensor-parallel collectives with the GEMMs (`--tp-comm-overlap`: each split into
+chunks pipelined with the GEMM's), which autopar does not run, so the priced Megatron rows
+with TP 8 and no pipeline (32b) are slower than measured by about that communication.
 "error" is priced / published - 1. "peak" is the memory a rank
 really holds under that plan (parameters, states, gradients, saved and gathered tensors).
 

@@ -438,3 +438,42 @@ def test_an_axis_of_one_device_moves_nothing() -> None:
     assert reshard_seconds(wide, (s0, r), (s0, Shard(2)), shape, 4) == 0.0
     both = reshard_seconds(wide, (Partial(), Partial()), (r, r), shape, 4)
     assert both == reshard_seconds(flat, (Partial(),), (r,), shape, 4) > 0.0
+
+
+def test_a_tp_input_gradient_all_reduce_hides_under_the_weight_gradient() -> None:
+    """`passes.comm` issues a column-parallel Linear's input-gradient all-reduce as soon as
+    that gradient exists, so the weight gradient computed after it runs meanwhile: the
+    predicted step of a TP plan hides it (`Part.hideable`, never more than half of a
+    matmul's backward nor more than what the part waits for), in proportion to how much
+    the device hides, and not at all without the pass's overlap."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.capture import capture
+    from autopar.plan import DEFAULT_COMM, CommPlan
+    from autopar.planning import fake_group
+    from autopar.search.intra_op import solve_intra
+    from autopar.search.pins import SearchOptions
+    from autopar.search.step import overlapped_time, program_parts
+    from samples import get_sample
+
+    sample = get_sample("gpt")
+    model = sample.build("tiny", device="meta")
+    batch = sample.example_batch(model, 8, device="meta")
+    h100 = Cluster.preset("dgx-h100", nodes=1)
+    cluster = replace(h100, mesh_shape=(8,), axis_names=("tp",), links=h100.links[-1:])
+    with fake_group(8):
+        mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("tp",))
+        graph = capture(model, batch)
+        result = solve_intra(graph, cluster, mesh, SearchOptions(strategy="tp"))
+    parts = program_parts(graph, result)
+    hideable = sum(p.hideable * p.weight for p in parts)
+    assert 0 < hideable <= sum(p.exposed * p.weight for p in parts)
+    assert all(p.hideable <= p.backward / 2 * (1 + 1e-12) for p in parts)
+    steps = {
+        e: overlapped_time(parts, _with_overlap(cluster, e), DEFAULT_COMM) for e in (1, 0.5, 0)
+    }
+    assert steps[1] < steps[0.5] < steps[0]
+    assert steps[0] - steps[1] == pytest.approx(hideable, rel=1e-9)
+    # waited at once without the pass's overlap: nothing hidden
+    waited = overlapped_time(parts, cluster, CommPlan(overlap=False))
+    assert waited - steps[1] >= hideable * (1 - 1e-9)

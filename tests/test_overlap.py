@@ -141,6 +141,34 @@ def test_gathers_prefetch_one_layer_and_regathers_stay(fake_group) -> None:
     assert all(pos[g] > loss_grad for g in backward)
 
 
+def test_tp_input_gradient_all_reduces_overlap_the_weight_gradient(fake_group) -> None:
+    # a column-parallel Linear's input gradient is all-reduced in place as soon as it
+    # exists, and the Linear's weight gradient is computed before its wait (Megatron's
+    # asynchronous TP all-reduce); the forward's all-reduces stay waited at once
+    model, batch = load_model("gpt", "tiny", 8, seed=0)
+    cluster = autopar.Cluster.local(mesh=(4,), axis_names=("tp",))
+    options = PlanOptions(strategy="tp")
+    plan, captured, mesh = plan_for_ranks(model, batch, cluster, None, options, None)
+    gm = ParallelModel(model, captured, plan, mesh).program.gm
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    in_place = [
+        n for n in _starts(gm) if n.target is torch.ops._c10d_functional.all_reduce_.default
+    ]
+    backward = [c for c in in_place if is_backward(c) and c.args[0].op == "call_function"]
+    assert len(backward) >= 4  # gpt tiny: two blocks, attention's and the MLP's input
+    matmuls = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    for c in backward:
+        wait = next(iter(c.users))
+        between = nodes[pos[c] + 1 : pos[wait]]
+        assert any(n.target in matmuls for n in between), (c.name, between)
+    # the lowered order (overlap off) waits each at once
+    plain = ParallelModel(model, captured, plan, mesh, comm=CommOptions(overlap=False)).program.gm
+    for c in _starts(plain):
+        if is_backward(c) and c.target is torch.ops._c10d_functional.all_reduce_.default:
+            assert c.next.target in WAITS
+
+
 def _check_schedule(gm, lowered) -> None:
     """Gradient reductions issued right after their last input, parameter gathers one ahead,
     other collectives where `lowered` (the program as traced) has them; waits just before

@@ -50,11 +50,17 @@ even or uneven:
    `wait_tensor` (and the views reading the result) sinks to just before the first node
    that needs it; a fused result's unpacking (split views, contiguous copies) runs at its
    wait, so the flat buffer dies there. Gradient reductions are issued as soon as their
-   inputs exist and the collective before them is issued. Forward gathers of parameters
+   inputs exist and the collective before them is issued (a bucket's flat input, its
+   members' views and their concatenation, made then, not where the bucket stood after
+   its last member in traced order). So is a backward all-reduce of an activation's
+   gradient that is reduced in its own buffer (`in_place.reducible_in_place`: a
+   column-parallel Linear's input gradient): the Linear's weight gradient, traced after
+   it, is computed while it runs (Megatron's asynchronous tensor-parallel all-reduce;
+   in place, it holds no buffer longer). Forward gathers of parameters
    are prefetched one ahead (issued when the previous one's wait runs, FSDP2's order, or
    when the collective before it is issued if later), never at the program's start;
-   backward (re-)gathers, recomputed nodes and every other collective (activations', the
-   loss's) stay where the lowered program (`passes.recompute` included) has them, so no
+   backward (re-)gathers, recomputed nodes and every other collective (the forward's
+   activation collectives, the loss's, backward ones that allocate) stay where the lowered program (`passes.recompute` included) has them, so no
    buffer lives longer than priced. Communication then overlaps compute wherever the
    backend runs collectives asynchronously (gloo's worker threads, NCCL's stream).
    Scheduling changes no number (the same ops on the same values, in another order).
@@ -97,7 +103,7 @@ from autopar.passes.comm_buckets import (  # noqa: F401 - the pass's vocabulary,
     _reorder,
     bucket,
 )
-from autopar.passes.in_place import reduce_in_place
+from autopar.passes.in_place import reduce_in_place, reducible_in_place
 from autopar.passes.recompute import PHASE, RECOMPUTED, is_backward
 from autopar.passes.shape_reads import WAITS, unchain_shape_reads
 from autopar.plan import CommPlan
@@ -185,6 +191,11 @@ def _schedule(graph: fx.Graph) -> None:
     # lowered keeps them (what `search.liveness` prices)
     end = len(nodes) - 1
     eager = {c for c in starts if c.users and all(_first_use(w, pos) == end for w in c.users)}
+    # a backward all-reduce of an activation's gradient reduced in place (a column-parallel
+    # Linear's input gradient): issued once that gradient exists, so the weight gradient
+    # traced after it is computed while it runs (Megatron's asynchronous tensor-parallel
+    # all-reduce); in place, it holds no buffer longer
+    eager |= {c for c in starts if reducible_in_place(c) and _phase(c) == (True, False)}
     eager -= chained
     # a bucket's flat input (its members' views and their concatenation, made where the
     # bucket stood: after its last member) is made with it, as soon as its members exist

@@ -34,17 +34,21 @@ def reduce_in_place(graph: fx.Graph) -> int:
     in-place one; returns how many were rewritten."""
     rewritten = 0
     for n in graph.nodes:
-        if n.op != "call_function" or n.target is not _F.all_reduce.default:
-            continue
-        x = n.args[0]
-        if not isinstance(x, fx.Node) or len(x.users) != 1 or not _fresh(x):
-            continue
-        val = x.meta.get("val")
-        if not isinstance(val, torch.Tensor) or not val.is_contiguous():
-            continue
-        n.target = _F.all_reduce_.default
-        rewritten += 1
+        if reducible_in_place(n):
+            n.target = _F.all_reduce_.default
+            rewritten += 1
     return rewritten
+
+
+def reducible_in_place(n: fx.Node) -> bool:
+    """`n` is an out-of-place all-reduce of a fresh, contiguous, otherwise unread tensor."""
+    if n.op != "call_function" or n.target is not _F.all_reduce.default:
+        return False
+    x = n.args[0]
+    if not isinstance(x, fx.Node) or len(x.users) != 1 or not _fresh(x):
+        return False
+    val = x.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_contiguous()
 
 
 def out_of_place(gm: fx.GraphModule) -> fx.GraphModule:

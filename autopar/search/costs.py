@@ -399,6 +399,26 @@ class CostContext(EdgeMatrices):
         parts = reshard_parts(self.cluster, grad_dst, grad_src, tuple(val.shape), size) or ()
         return [((kind, axis, size), kind, axis, b) for axis, kind, b in parts]
 
+    def activation_grad_all_reduces(
+        self, op: Operand, src, v: fx.Node, s: NodeStrategy, pos: int
+    ) -> float:
+        """Seconds of the all-reduces in the gradient reshard of the activation `op` reads
+        (from spec `src`) as input `pos` of `v` running `s` (0 for a weight): what
+        `passes.comm` issues as soon as `v`'s backward computes that gradient."""
+        dst = s.inputs[pos] if pos < len(s.inputs) else None
+        val = op.tensor
+        if src is None or dst is None or val is None or self.is_weight(op.producer):
+            return 0.0
+        grad_dst = self._grad_spec_at_consumer(dst, s)
+        grad_src = self._grad_source(tuple(src))
+        shape, size = tuple(val.shape), val.element_size()
+        parts = reshard_parts(self.cluster, grad_dst, grad_src, shape, size) or ()
+        return sum(
+            comm.collective_time(kind, nbytes, axis, self.cluster)
+            for axis, kind, nbytes in parts
+            if comm.Collective(kind) is comm.Collective.ALL_REDUCE
+        )
+
     def _grad_spec_at_consumer(self, dst, s: NodeStrategy):
         key = (id(s), id(dst))  # dst is one of s.inputs: alive while s is
         found = self._grad_specs.get(key)

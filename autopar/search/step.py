@@ -16,8 +16,11 @@ graph is cut into parts in execution order (what precedes the first layer, each 
     regather  = the same again in backward when the layer regathers (reshard / full recompute)
     grads     = its weights' gradient reductions (`CostContext.grad_reductions`)
     exposed   = activation reshards, forward and backward (TP collectives, loss reductions):
-                waited at once; and a fused gather's copies in and out of its flat buffer
-                (`buckets.fused_copies`)
+                waited at once, but for a backward all-reduce of a matmul's input gradient,
+                which hides (`DeviceSpec.overlap_efficiency` of it) under that matmul's
+                weight gradient, half its backward (`Part.hideable`: `passes.comm` issues
+                it once the gradient exists, and the weight's is computed after it); and a
+                fused gather's copies in and out of its flat buffer (`buckets.fused_copies`)
 
 go to `cost_models.buckets.overlapped_step` (gradient buckets on one serial channel behind
 the backward, gathers prefetched one layer ahead; `comm=None`, no pass: every collective
@@ -40,7 +43,7 @@ gradient buckets are priced ready at the end of the layer where their last membe
 after every collective traced in that layer (its re-gather, its activation collectives),
 and go out in that (traced) order on one channel (`serial_exposure`), so no bucket is
 priced as issued before a collective traced ahead of it; the activation collectives are
-waited at once.
+waited at once (those hidden under a weight gradient aside).
 
 This is the step time of a non-pipelined plan: `IntraOpResult.step_time`, by which the search
 ranks its candidates (`intra_op.solve_intra`) and which `Plan.predicted_step_time` reports;
@@ -68,6 +71,7 @@ from autopar.capture import Captured
 from autopar.capture.analysis import layer_order
 from autopar.capture.export import layer_of
 from autopar.cluster import Cluster
+from autopar.cost_models import compute
 from autopar.cost_models.buckets import (
     Grad,
     collective_times,
@@ -90,6 +94,9 @@ class Part:
     backward: float = 0.0
     gather: float = 0.0  # as the ILP prices them (only to tell infeasible from feasible)
     exposed: float = 0.0
+    # of `exposed`: backward all-reduces of activation gradients that the weight gradient
+    # computed after them can hide (`passes.comm` issues them once the gradient exists)
+    hideable: float = 0.0
     # forward compute after the part's last forward activation collective (None: it has
     # none): all the next part's gather can be prefetched under (issue order, module doc)
     tail: float | None = None
@@ -174,6 +181,7 @@ def overlapped_time(parts: list[Part], cluster: Cluster, comm: CommPlan | None) 
     if not all(math.isfinite(v) for v in values):
         return math.inf
     fwd, hide, bwd, gat, reg, reductions, exposed = [], [], [], [], [], [], 0.0
+    overlap = cluster.device.overlap_efficiency
     for p in parts:
         copies = max(1, round(p.weight))
         k = p.weight / copies
@@ -191,7 +199,8 @@ def overlapped_time(parts: list[Part], cluster: Cluster, comm: CommPlan | None) 
             gat.append(gather)
             reg.append(regather)
             reductions.append(scaled)
-        exposed += p.exposed * p.weight
+        hidden = overlap * p.hideable if comm is not None and comm.overlap else 0.0
+        exposed += (p.exposed - hidden) * p.weight
     # the forward's gathers, prefetched in issue order under `hide`
     return overlapped_step(fwd, bwd, gat, reg, reductions, cluster, exposed, comm, hide)
 
@@ -211,6 +220,12 @@ def _add_node(part: Part, n, result: IntraOpResult) -> None:
     full = again and result.recompute.get(layer_of(n)) == "full"
     part.forward += forward
     part.backward += backward
+    # a matmul's backward computes its input's gradient, then its weight's: an all-reduce
+    # of the input's gradient runs while the weight's is computed (half the backward)
+    weighted = compute.training_kernels(n) == 3 and any(
+        ctx.is_weight(op.producer) for _, op in ctx.operands(n)
+    )
+    budget = (backward - (forward if again else 0.0)) / 2 if weighted else 0.0
     activation_collective = False
     for pos, op in ctx.operands(n):
         src = ctx.output_spec(op, result.chosen[op.producer])
@@ -225,6 +240,10 @@ def _add_node(part: Part, n, result: IntraOpResult) -> None:
         else:
             part.exposed += fwd + bwd + (fwd if full else 0.0)
             activation_collective = activation_collective or fwd > 0
+            if budget > 0 and bwd > 0:
+                hideable = min(ctx.activation_grad_all_reduces(op, src, n, s, pos), budget)
+                part.hideable += hideable
+                budget -= hideable
     # the collective runs before `n`: `n`'s forward is the first after it
     if activation_collective or part.tail is not None:
         part.tail = forward + (0.0 if activation_collective else part.tail)
