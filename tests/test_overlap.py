@@ -26,9 +26,8 @@ from autopar.cost_models.buckets import bucket_plan
 from autopar.options import PlanOptions
 from autopar.passes.comm import (
     ALL_GATHER,
-    COPIES,
     OFF,
-    PIECES,
+    PACKING,
     UNPACK,
     VIEWS,
     WAITS,
@@ -210,15 +209,12 @@ def _check_schedule(gm, lowered) -> None:
         assert all(ok), (wait, between)
 
 
-_PACKS = VIEWS | COPIES | PIECES | {torch.ops.aten.cat.default}
-
-
 def _packing_of(c) -> set:
     """The views, copies and concatenation that make collective `c`'s flat input."""
     out, todo = set(), list(c.all_input_nodes)
     while todo:
         n = todo.pop()
-        if n.target in _PACKS and n not in out:
+        if n.target in PACKING and n not in out:
             out.add(n)
             todo.extend(n.all_input_nodes)
     return out

@@ -60,8 +60,9 @@ even or uneven:
    are prefetched one ahead (issued when the previous one's wait runs, FSDP2's order, or
    when the collective before it is issued if later), never at the program's start;
    backward (re-)gathers, recomputed nodes and every other collective (the forward's
-   activation collectives, the loss's, backward ones that allocate) stay where the lowered program (`passes.recompute` included) has them, so no
-   buffer lives longer than priced. Communication then overlaps compute wherever the
+   activation collectives, the loss's, backward ones that allocate) stay where the
+   lowered program (`passes.recompute` included) has them, so no buffer lives longer
+   than priced. Communication then overlaps compute wherever the
    backend runs collectives asynchronously (gloo's worker threads, NCCL's stream).
    Scheduling changes no number (the same ops on the same values, in another order).
 
@@ -108,6 +109,8 @@ from autopar.passes.recompute import PHASE, RECOMPUTED, is_backward
 from autopar.passes.shape_reads import WAITS, unchain_shape_reads
 from autopar.plan import CommPlan
 
+# what makes a bucket's flat input from its members (`_feeding_only`)
+PACKING = VIEWS | COPIES | PIECES | {torch.ops.aten.cat.default}
 # the pass's options are the plan's record of them (`plan.CommPlan`: what the step was
 # priced with; defaults DDP's bucket sizes, overlap on)
 CommOptions = CommPlan
@@ -176,7 +179,7 @@ def _schedule(graph: fx.Graph) -> None:
     chained = set(prefetch)
     # a parameter gather (and its copy-in) is issued by the chain or, at the latest, when
     # its result is first needed: never where the inputs exist (the program's start)
-    copy_in = _prefetch_inputs(nodes, chained)
+    copy_in = _feeding_only(nodes, chained)
     lazy |= chained | copy_in
     # the forward's chain only: a backward (re-)gather stays where `passes.recompute` put
     # it, just before its first reader, as resharding and recomputation are priced
@@ -199,7 +202,7 @@ def _schedule(graph: fx.Graph) -> None:
     eager -= chained
     # a bucket's flat input (its members' views and their concatenation, made where the
     # bucket stood: after its last member) is made with it, as soon as its members exist
-    packing = _packing_inputs(nodes, eager)
+    packing = _feeding_only(nodes, eager, PACKING)
     lazy |= packing
     needs = _needs_beyond(eager, packing, after)  # bucket -> what its packing reads
     waiting: dict[fx.Node, list[fx.Node]] = {}
@@ -290,36 +293,25 @@ def _phase(node: fx.Node) -> tuple[bool, bool]:
     return is_backward(node), bool((node.meta.get("custom") or {}).get(RECOMPUTED))
 
 
-def _prefetch_inputs(nodes: list[fx.Node], chained: set[fx.Node]) -> set[fx.Node]:
-    """Nodes read only on the way to a prefetched collective (its copy-in, computed from
-    parameters only as the collective is): emitted with it, not where they stand (a
-    backward re-gather's copy-in stays in backward with it)."""
+def _feeding_only(
+    nodes: list[fx.Node], sinks: set[fx.Node], ops: set | None = None
+) -> set[fx.Node]:
+    """Nodes (of `ops`, or any call) read only on the way to `sinks`: a prefetched
+    collective's copy-in (computed from parameters only as the collective is), a gradient
+    bucket's flat input (its members' views, pads, copies and concatenation, made where
+    the bucket stood: after its last member, often at the backward's end); emitted with
+    their collective, not where they stand (a backward re-gather's copy-in stays in
+    backward with it)."""
     inputs: set[fx.Node] = set()
     for n in reversed(nodes):
         if (
             n.op == "call_function"
+            and (ops is None or n.target in ops)
             and n.users
-            and all(u in chained or u in inputs for u in n.users)
+            and all(u in sinks or u in inputs for u in n.users)
         ):
             inputs.add(n)
     return inputs
-
-
-def _packing_inputs(nodes: list[fx.Node], eager: set[fx.Node]) -> set[fx.Node]:
-    """Views, pads, copies and concatenations read only on the way to an eagerly issued
-    collective (a gradient bucket's flat input): made when the collective is issued, not
-    where the bucket stood (after its last member, often at the backward's end)."""
-    packing: set[fx.Node] = set()
-    packs = VIEWS | COPIES | PIECES | {torch.ops.aten.cat.default}
-    for n in reversed(nodes):
-        if (
-            n.op == "call_function"
-            and n.target in packs
-            and n.users
-            and all(u in eager or u in packing for u in n.users)
-        ):
-            packing.add(n)
-    return packing
 
 
 def _needs_beyond(

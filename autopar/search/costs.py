@@ -387,16 +387,13 @@ class CostContext(EdgeMatrices):
         """``(key, kind, axis, bytes)`` per collective reducing the gradient of the weight
         `op` reads (empty for an activation): what `cost_models.buckets` buckets, keyed by
         (kind, axis, dtype size) as the pass keys (group, reduce op, dtype)."""
-        dst = s.inputs[pos] if pos < len(s.inputs) else None
-        val = op.tensor
-        if src is None or dst is None or val is None or not self.is_weight(op.producer):
+        if not self.is_weight(op.producer):
             return []
-        grad_dst = self._grad_spec_at_consumer(dst, s)
-        grad_src = tuple(Replicate() if p.is_partial() else p for p in src)
-        size = val.element_size()
-        if self.reduce_itemsize and same_spec(src, dst):
+        size = op.tensor.element_size() if op.tensor is not None else 0
+        dst = s.inputs[pos] if pos < len(s.inputs) else None
+        if self.reduce_itemsize and src is not None and dst is not None and same_spec(src, dst):
             size = self.reduce_itemsize
-        parts = reshard_parts(self.cluster, grad_dst, grad_src, tuple(val.shape), size) or ()
+        parts = self._grad_parts(op, src, s, pos, size)
         return [((kind, axis, size), kind, axis, b) for axis, kind, b in parts]
 
     def activation_grad_all_reduces(
@@ -405,19 +402,25 @@ class CostContext(EdgeMatrices):
         """Seconds of the all-reduces in the gradient reshard of the activation `op` reads
         (from spec `src`) as input `pos` of `v` running `s` (0 for a weight): what
         `passes.comm` issues as soon as `v`'s backward computes that gradient."""
-        dst = s.inputs[pos] if pos < len(s.inputs) else None
-        val = op.tensor
-        if src is None or dst is None or val is None or self.is_weight(op.producer):
+        if self.is_weight(op.producer) or op.tensor is None:
             return 0.0
-        grad_dst = self._grad_spec_at_consumer(dst, s)
-        grad_src = self._grad_source(tuple(src))
-        shape, size = tuple(val.shape), val.element_size()
-        parts = reshard_parts(self.cluster, grad_dst, grad_src, shape, size) or ()
         return sum(
             comm.collective_time(kind, nbytes, axis, self.cluster)
-            for axis, kind, nbytes in parts
+            for axis, kind, nbytes in self._grad_parts(op, src, s, pos, op.tensor.element_size())
             if comm.Collective(kind) is comm.Collective.ALL_REDUCE
         )
+
+    def _grad_parts(self, op: Operand, src, s: NodeStrategy, pos: int, size: int) -> tuple:
+        """(axis, collective, bytes) per step of moving the gradient of the value `op` reads
+        (spec `src`) as input `pos` of a node running `s` back into the producer's spec, in
+        elements of `size` bytes (() where nothing moves or there is no tensor)."""
+        dst = s.inputs[pos] if pos < len(s.inputs) else None
+        val = op.tensor
+        if src is None or dst is None or val is None:
+            return ()
+        grad_dst = self._grad_spec_at_consumer(dst, s)
+        grad_src = self._grad_source(tuple(src))
+        return reshard_parts(self.cluster, grad_dst, grad_src, tuple(val.shape), size) or ()
 
     def _grad_spec_at_consumer(self, dst, s: NodeStrategy):
         key = (id(s), id(dst))  # dst is one of s.inputs: alive while s is
