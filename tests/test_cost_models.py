@@ -360,12 +360,12 @@ def test_recompute_prices_the_forward_share_of_a_node() -> None:
     relu = next(n for n in nodes if n.target == torch.ops.aten.relu.default)
     view = next((n for n in nodes if n.target == torch.ops.aten.view.default), None)
     split = NodeStrategy(((S0, R), (S0, R), (R, R)), ((S0, R),))  # 2-way on axis a
-    flops, nbytes = compute.node_flops(addmm), compute.node_bytes(addmm)
-    expected = compute.compute_time(flops / 2, nbytes / 2, "float32", cluster)
+    flops, nbytes = compute.node_flops(addmm), ctx.local_bytes(addmm, split)
+    expected = compute.compute_time(flops / 2, nbytes, "float32", cluster)
     assert ctx.forward_time(addmm, split) == pytest.approx(expected, rel=1e-12)
-    # a matmul's backward is twice its forward: node_cost prices 3x the FLOPs, 2x the bytes
+    # a matmul's backward is twice its forward: node_cost prices 3x the FLOPs and the bytes
     # in three kernels (forward, grad of the input, grad of the weight)
-    full = compute.compute_time(3 * flops / 2, 2 * nbytes / 2, "float32", cluster, kernels=3)
+    full = compute.compute_time(3 * flops / 2, 3 * nbytes, "float32", cluster, kernels=3)
     assert ctx.node_cost(addmm, split) == pytest.approx(full, rel=1e-12)
     rep = NodeStrategy(((R, R),), ((R, R),))
     relu_fwd = compute.compute_time(
@@ -375,6 +375,39 @@ def test_recompute_prices_the_forward_share_of_a_node() -> None:
     assert 0 < ctx.forward_time(relu, rep) < ctx.node_cost(relu, rep)
     if view is not None:
         assert ctx.forward_time(view, rep) == 0.0
+
+
+def test_a_replicated_operand_is_read_whole_by_every_rank() -> None:
+    """A node's bytes are its operands' and outputs' local sizes under the strategy: a
+    data-parallel matmul reads the whole weight on every rank (a small batch is bound by
+    it), and each of its three kernels (forward, grad of the input, of the weight) moves
+    as much as the forward: not the node's bytes over the work's split."""
+    from autopar.capture import capture
+    from autopar.passes.strategies import NodeStrategy
+    from autopar.search.costs import CostContext
+
+    model = nn.Linear(1024, 1024)
+    captured = capture(model, (torch.randn(8, 1024),), loss_fn=lambda y: y.sum())
+    cluster = Cluster.preset("dgx-h100", nodes=1, mesh=(8,))
+    ctx = CostContext(cluster)
+    addmm = next(n for n in captured.gm.graph.nodes if n.target == torch.ops.aten.addmm.default)
+    x, w, bias, out = 8 * 1024 * 4, 1024 * 1024 * 4, 1024 * 4, 8 * 1024 * 4
+    assert compute.node_bytes(addmm) == x + w + bias + out
+    dp = NodeStrategy(((R,), (S0,), (R,)), ((S0,),))  # bias, rows split, weight replicated
+    assert ctx.local_bytes(addmm, dp) == bias + x / 8 + w + out / 8
+    flops = compute.node_flops(addmm)
+    expected = compute.compute_time(
+        3 * flops / 8, 3 * (bias + x / 8 + w + out / 8), "float32", cluster, kernels=3
+    )
+    assert ctx.node_cost(addmm, dp) == pytest.approx(expected, rel=1e-12)
+    # memory-bound: three reads of the whole weight, however many ranks split the rows
+    bw = cluster.device.memory_bandwidth * cluster.device.memory_efficiency
+    assert ctx.node_cost(addmm, dp) > 3 * w / bw
+    tp = NodeStrategy(((S0,), (R,), (S1,)), ((S1,),))  # the weight's columns split
+    assert ctx.local_bytes(addmm, tp) == bias / 8 + x + w / 8 + out / 8
+    tp_bytes = 3 * (bias / 8 + x + w / 8 + out / 8)
+    tp_time = compute.compute_time(3 * flops / 8, tp_bytes, "float32", cluster, kernels=3)
+    assert ctx.node_cost(addmm, tp) == pytest.approx(tp_time, rel=1e-12)
 
 
 def test_ring_price_spreads_the_balanced_causal_split_and_adds_its_swaps() -> None:

@@ -32,9 +32,13 @@ at ``memory_efficiency`` of the HBM bandwidth, as every class's bytes do. The fi
 ``autopar calibrate``: this machine's). All efficiencies are in (0, 1].
 ``backward_factor``: backward FLOPs / forward FLOPs: 2 for matmuls and convolutions (grad of
 input and of weight), 2.5 for attention (flash backward recomputes ``QK^T``: 5 matmuls vs 2),
-1 otherwise. A region (:mod:`autopar.capture.regions`) counts its own forward FLOPs
-(``Region.flops``) and has a backward factor of 3 (:data:`REGION_BACKWARD_FACTOR`: its
-backward runs the forward again, then differentiates it).
+1 otherwise. ``backward_bytes_factor``: backward bytes / forward bytes: 2 for matmuls (each
+backward kernel moves as much as the forward one: a small-batch matmul's three kernels are
+each memory-bound), 2 for attention, 1 otherwise. A region (:mod:`autopar.capture.regions`)
+counts its own forward FLOPs (``Region.flops``) and has a backward factor of 3
+(:data:`REGION_BACKWARD_FACTOR`: its backward runs the forward again, then differentiates
+it). ``entry_bytes``: ``node_bytes`` per operand and output, which a strategy's placements
+divide (``search.costs.CostContext.local_bytes``: a replicated operand is read whole).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from torch.fx import Node
 from torch.fx.node import map_arg
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
+from autopar.capture.operands import operands
 from autopar.capture.regions import spec_of
 from autopar.cluster import Cluster
 
@@ -56,9 +61,11 @@ REGION_BACKWARD_FACTOR = 3.0
 
 __all__ = [
     "OP_CLASSES",
+    "backward_bytes_factor",
     "backward_factor",
     "compute_efficiency",
     "compute_time",
+    "entry_bytes",
     "op_class",
     "training_kernels",
     "node_bytes",
@@ -170,6 +177,24 @@ def node_bytes(node: Node) -> float:
     return float(sum(_bytes(t) for t in ins) + sum(_bytes(t) for t in outs))
 
 
+def entry_bytes(node: Node) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """Bytes of each operand (``capture.operands.operands`` order: a strategy's inputs) and
+    each output of ``node``, whole (0 where it is no tensor), adding up to ``node_bytes``;
+    None for a gather (its table charged at the rows read) and for a node whose entries do
+    not add up to it."""
+    if _packet(node) in _GATHERS:
+        return None
+    ins = [_bytes(t) if t is not None else 0 for t in (op.tensor for op in operands(node))]
+    val = node.meta.get("val")
+    outs = [
+        _bytes(v) if isinstance(v, torch.Tensor) else 0
+        for v in (val if isinstance(val, (tuple, list)) else [val])
+    ]
+    if sum(ins) + sum(outs) != node_bytes(node):
+        return None
+    return tuple(map(float, ins)), tuple(map(float, outs))
+
+
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -264,6 +289,22 @@ def backward_factor(node: Node) -> float:
     packet = _packet(node)
     if packet in _SDPA or packet in _SDPA_FUSED:
         return 2.5
+    if spec_of(node.target) is not None:
+        return REGION_BACKWARD_FACTOR
+    return 2.0 if packet in _MATMUL else 1.0
+
+
+def backward_bytes_factor(node: Node) -> float:
+    """Backward bytes as a multiple of forward bytes: a matmul's backward runs two kernels
+    (input and weight gradient) that each move as much as its forward (the weight read,
+    or its gradient written, once more per kernel: a small-batch matmul's three kernels
+    are each memory-bound, not their FLOPs summed against twice its bytes), fused attention
+    reads its inputs, output and output gradient and writes the inputs' gradients (~2x),
+    a region runs its forward again and differentiates it (`REGION_BACKWARD_FACTOR`),
+    every other op reads its output's gradient and writes its input's (1x)."""
+    packet = _packet(node)
+    if packet in _SDPA or packet in _SDPA_FUSED:
+        return 2.0
     if spec_of(node.target) is not None:
         return REGION_BACKWARD_FACTOR
     return 2.0 if packet in _MATMUL else 1.0

@@ -1,6 +1,7 @@
 """Prices of strategies and resharding edges for the intra-op ILP, in seconds and bytes.
 
-node cost  = roofline(flops * (1 + backward_factor) / split, bytes * (2) / split) where
+node cost  = roofline(flops * (1 + backward_factor) / split,
+                      bytes * (1 + backward_bytes_factor) / split) where
              `split` = product of the sizes of the mesh axes on which the strategy divides the
              work (some input or output Shard or Partial on that axis), over
              `rules.attention.work_factor` (2 for causal attention split on the sequence
@@ -137,6 +138,8 @@ class CostContext(EdgeMatrices):
         self._grad_specs: dict[tuple[int, int], tuple] = {}
         self._grad_srcs: dict[tuple, tuple] = {}  # `_grad_source` memo, by placements
         self._memories: dict[tuple[fx.Node, int], float] = {}
+        self._byte_parts: dict[fx.Node, tuple | None] = {}  # `local_bytes`' table
+        self._spec_shards: dict[int, int] = {}  # by `_spec_number`
         EdgeMatrices.__init__(self)
 
     # ---- graph helpers -------------------------------------------------------------------
@@ -155,13 +158,13 @@ class CostContext(EdgeMatrices):
     def node_cost(self, n: fx.Node, s: NodeStrategy) -> float:
         if n.op != "call_function" or n.target in VIEW_OPS or n.target is operator.getitem:
             return 0.0
-        flops, nbytes, dtype = self._work(n)
+        flops, _, dtype = self._work(n)
         split = self._split(s) / attention.work_factor(n, s, self.mesh_shape)
         # a sharded random op draws the whole tensor on every rank (rules.random_ops)
         drawn = random_ops.whole_draw_bytes(n) * max(0.0, 1.0 - 1.0 / split)
         t = compute.compute_time(
             flops / split,
-            nbytes / split + drawn,
+            self.local_bytes(n, s) * (1.0 + compute.backward_bytes_factor(n)) + drawn,
             dtype,
             self.cluster,
             op=compute.op_class(n),
@@ -182,10 +185,10 @@ class CostContext(EdgeMatrices):
         if n.op != "call_function" or n.target in VIEW_OPS or n.target is operator.getitem:
             return 0.0
         _, _, dtype = self._work(n)
-        fwd, nbytes = self._forward_work[n]
+        fwd, _ = self._forward_work[n]
         split = self._split(s) / attention.work_factor(n, s, self.mesh_shape)
         t = compute.compute_time(
-            fwd / split, nbytes / split, dtype, self.cluster, op=compute.op_class(n)
+            fwd / split, self.local_bytes(n, s), dtype, self.cluster, op=compute.op_class(n)
         )
         t += REGION_FORWARD_EXCHANGES * self._region_exchange(n, s)
         ring = attention.ring_axis(n, s)
@@ -213,11 +216,42 @@ class CostContext(EdgeMatrices):
             fwd, fwd_bytes = compute.node_flops(n), compute.node_bytes(n)
             self._forward_work[n] = (fwd, fwd_bytes)
             flops = fwd * (1.0 + compute.backward_factor(n))
-            nbytes = fwd_bytes * 2.0
+            nbytes = fwd_bytes * (1.0 + compute.backward_bytes_factor(n))
             val = _first_tensor(n.meta.get("val"))
             dtype = str(val.dtype).removeprefix("torch.") if val is not None else "float32"
             self._flops[n] = (flops, nbytes, dtype)
         return self._flops[n]
+
+    def local_bytes(self, n: fx.Node, s: NodeStrategy) -> float:
+        """Bytes one rank's forward kernel of `n` moves under `s`: each tensor operand and
+        output at its local size (a replicated weight is read whole on every rank however
+        the work is split: a small-batch dp matmul is bound by it); a gather's table at
+        the rows it reads, split with the work (`compute.node_bytes`)."""
+        parts = self._byte_parts.get(n)
+        if parts is None:
+            self._work(n)
+            parts = self._byte_parts[n] = compute.entry_bytes(n)
+        if parts is None:
+            return self._forward_work[n][1] / self._split(s)
+        total = 0.0
+        for specs, sizes in zip((s.inputs, s.outputs), parts, strict=True):
+            for spec, nbytes in zip(specs, sizes, strict=False):
+                total += nbytes / self._shards(spec) if nbytes else 0.0
+        return total
+
+    def _shards(self, spec: Spec | None) -> int:
+        """How many pieces `spec` cuts a tensor into (1: replicated or partial)."""
+        if spec is None:
+            return 1
+        number = self._spec_number(spec)
+        found = self._spec_shards.get(number)
+        if found is None:
+            found = 1
+            for axis, p in enumerate(spec):
+                if p.is_shard():
+                    found *= self.mesh_shape[axis]
+            self._spec_shards[number] = found
+        return found
 
     def _split(self, s: NodeStrategy) -> int:
         split = 1

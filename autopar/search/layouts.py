@@ -459,8 +459,9 @@ def _price_all(
 def compute_bound(template: Template, cluster: Cluster, devices: int) -> float:
     """Seconds of one step's forward + backward compute (no communication) with every
     node's work split over all `devices`, the template's layers weighted: the ILP prices
-    a node on a mesh of `devices` at `roofline(flops * (1 + backward) / split, 2 * bytes /
-    split) + launches` with `split <= devices` (`search.costs.CostContext.node_cost`), the
+    a node on a mesh of `devices` at `roofline(flops * (1 + backward) / split, bytes *
+    (1 + backward_bytes) / split) + launches` with `split <= devices`
+    (`search.costs.CostContext.node_cost`), the
     roofline grows with the work, and recompute only adds; so no plan on those devices
     computes a step in less."""
     total = 0.0
@@ -473,7 +474,7 @@ def compute_bound(template: Template, cluster: Cluster, devices: int) -> float:
         flops = compute.node_flops(n) * (1.0 + compute.backward_factor(n))
         t = compute.compute_time(
             flops / devices,
-            2.0 * compute.node_bytes(n) / devices,
+            (1.0 + compute.backward_bytes_factor(n)) * compute.node_bytes(n) / devices,
             dtype or "float32",
             cluster,
             op=compute.op_class(n),
