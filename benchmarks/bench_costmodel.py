@@ -5,15 +5,19 @@
                                          [--plans dp,fsdp,...] [--warmup 2] [--steps 8]
                                          [--csv build/bench_costmodel.csv]
 
-On 4 local processes (one spawn for everything, gloo on CPU, NCCL where every process has a
+On 4 local processes (one spawn per sample, gloo on CPU, NCCL where every process has a
 GPU), each sample is compiled under every plan of `PLANS` (dp, fsdp, tp, dp x tp,
 fsdp x tp, two-stage pipelines under 1F1B and GPipe, one whose two ranks run dp and tp, and
-the search's own pick on a 1-D and a 2-D mesh), with the cluster read from `--cluster` (a file `autopar calibrate` wrote;
-`--calibrate` measures one first) re-meshed to the plan's mesh. Each plan trains `--warmup`
-+ `--steps` steps (forward, backward, optimizer; the slowest rank's time, median over the
-steps) beside `plan.predicted_step_time`. A plan whose program is one measured before (the
-search's pick is often a pinned plan's program) is not run again: its row takes that
-measurement, so two names of one program are not ranked by the machine's noise.
+the search's own pick on a 1-D and a 2-D mesh), with the cluster read from `--cluster` (a
+file `autopar calibrate` wrote; `--calibrate` measures one first) re-meshed to the plan's
+mesh. The sample's plans then train in rounds, one step (forward, backward, optimizer) of
+each plan per round, `--warmup` rounds untimed and `--steps` timed: a plan's time is the
+median over the rounds of its slowest rank's step, beside `plan.predicted_step_time`.
+Rounds, not one plan's steps after another's: on this shared 2-core machine the same plan
+measured up to 30% apart from one minute to the next (and after another sample's plans
+in the same processes), which ranked plans by when they ran. A plan whose program is one
+compiled before (the search's pick is often a pinned plan's program) is not run again: its
+row takes that measurement, so two names of one program are not ranked by the noise.
 
 Per sample: Spearman's rank correlation of predicted vs measured, the median absolute
 relative error, and the measured rank of the plans the search picked ("auto"). Targets
@@ -80,8 +84,10 @@ def _program_key(plan) -> str:
     return json.dumps(data, sort_keys=True, default=str)
 
 
-def run_plan(sample: str, config: str, batch_size: int, name: str, base, args, seen: dict) -> dict:
-    """`seen`: program key -> (plan name, measured ms) of this sample's plans so far."""
+def compile_plan(sample: str, config: str, batch_size: int, name: str, base, seen: dict):
+    """(row, compiled model, batch): the model None where the plan failed (its row says
+    why) or its program is one compiled before (`seen`: program key -> plan name; its row
+    takes that plan's measurement, so two names of one program are not ranked by noise)."""
     mesh, names, extra = PLANS[name]
     model, batch = load_model(sample, config, batch_size, seed=0)
     if "pp" in names:
@@ -98,44 +104,63 @@ def run_plan(sample: str, config: str, batch_size: int, name: str, base, args, s
         )
     except Exception as exc:  # a plan this sample cannot take: reported, not fatal
         out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
-        return out
+        return out, None, None
     out["predicted_ms"] = 1e3 * pm.plan.predicted_step_time
     out["layout"] = pm.plan.solver.get("layout", "") if isinstance(pm.plan.solver, dict) else ""
     key = _program_key(pm.plan)  # the same on every rank (rank 0's plan, broadcast)
     if key in seen:  # the same program again: its measurement, not a second draw of noise
-        out["same_as"], out["measured_ms"] = seen[key]
-        return out
-    times = []
+        out["same_as"] = seen[key]
+        return out, None, None
+    seen[key] = name
+    return out, pm, batch
+
+
+def _step_seconds(pm, batch) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    loss = pm.forward_backward(*batch)
+    pm.optimizer_step()
+    float(loss.detach())  # synchronise (a device sync on GPU)
+    return time.perf_counter() - t0
+
+
+def measure_sample(spec: str, base, args, rank: int) -> list[dict]:
+    """Every plan of one sample compiled, then timed in rounds: each round one step of
+    each plan in turn (`--warmup` rounds untimed), so that a slower spell of a shared
+    machine falls on every plan alike; a plan's time is the median over the rounds of
+    the slowest rank's step."""
+    sample, config, batch = spec.split(":")
+    seen: dict[str, str] = {}
+    compiled = [
+        compile_plan(sample, config, int(batch), n, base, seen) for n in args.plans.split(",")
+    ]
+    runs = [(row, pm, b) for row, pm, b in compiled if pm is not None]
+    times: list[list[float]] = [[] for _ in runs]
     for i in range(args.warmup + args.steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = pm.forward_backward(*batch)
-        pm.optimizer_step()
-        float(loss.detach())  # synchronise (a device sync on GPU)
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    slowest = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    out["measured_ms"] = 1e3 * statistics.median(slowest.tolist())
-    seen[key] = (name, out["measured_ms"])
-    return out
+        for k, (_, pm, b) in enumerate(runs):
+            seconds = _step_seconds(pm, b)
+            if i >= args.warmup:
+                times[k].append(seconds)
+    for (row, _, _), own in zip(runs, times, strict=True):
+        slowest = torch.tensor(own, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        row["measured_ms"] = 1e3 * statistics.median(slowest.tolist())
+    measured = {row["plan"]: row["measured_ms"] for row, _, _ in runs}
+    rows = [row for row, _, _ in compiled]
+    for row in rows:
+        if "same_as" in row:
+            row["measured_ms"] = measured[row["same_as"]]
+        if rank == 0:
+            print(f"  {_row_text(row)}", flush=True)
+    return rows
 
 
-def _worker(rank: int, world: int, port: int, backend: str, args, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, backend: str, args, spec: str, out: str) -> None:
     init_rank(rank, world, port, backend, timeout_s=900)
     try:
-        base = autopar.Cluster.load(args.cluster)
-        results = []
-        for spec in args.samples.split(","):
-            sample, config, batch = spec.split(":")
-            seen: dict[str, tuple[str, float]] = {}
-            for name in args.plans.split(","):
-                r = run_plan(sample, config, int(batch), name, base, args, seen)
-                results.append(r)
-                if rank == 0:
-                    print(f"  {_row_text(r)}", flush=True)
+        rows = measure_sample(spec, autopar.Cluster.load(args.cluster), args, rank)
         if rank == 0:
-            Path(out_dir, "results.json").write_text(json.dumps(results))
+            Path(out).write_text(json.dumps(rows))
     finally:
         dist.destroy_process_group()
 
@@ -226,9 +251,13 @@ def main(argv: list[str] | None = None) -> int:
             "its day (a two-day-old file read every gpt:small row ~20% fast); --calibrate "
             "measures this one now"
         )
+    results = []
     with tempfile.TemporaryDirectory(prefix="autopar-bench-") as tmp:
-        mp.spawn(_worker, args=(WORLD, free_port(), backend, args, tmp), nprocs=WORLD, join=True)
-        results = json.loads(Path(tmp, "results.json").read_text())
+        for spec in args.samples.split(","):  # fresh processes per sample
+            out = str(Path(tmp, "results.json"))
+            worker_args = (WORLD, free_port(), backend, args, spec, out)
+            mp.spawn(_worker, args=worker_args, nprocs=WORLD, join=True)
+            results += json.loads(Path(out).read_text())
     print("\n".join(_row_text(r) for r in results))
     print("\n".join(summarize(results)))
     keys = ["sample", "plan", "measured_ms", "predicted_ms", "layout", "error"]
