@@ -41,9 +41,10 @@ def reshard_seconds(cluster: Cluster, src, dst, shape, itemsize, into_partial=Fa
     return seconds + launches
 
 
+@lru_cache(maxsize=4096)
 def launch(kind, axis: int, cluster: Cluster) -> float:
     """Seconds of one collective's launch and synchronization: one step of its kind (as
-    priced, `comm.volume_kind`)."""
+    priced, `comm.volume_kind`); read once per (kind, axis, cluster)."""
     moved = comm.volume_kind(comm.Collective(kind), cluster.backend).value
     return cluster.links[axis].latency_of(moved)
 

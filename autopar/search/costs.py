@@ -135,6 +135,7 @@ class CostContext(EdgeMatrices):
         self._alive: dict[int, object] = {}  # the objects `_parts` keys by id
         self._priced: dict[tuple, tuple[float, float]] = {}  # `edge_parts` by content
         self._redistributed: dict[tuple, float] = {}  # `_redistribute` memo
+        self._grad_src_numbers: dict[int, tuple[int, tuple]] = {}
         self._grad_specs: dict[tuple[int, int], tuple] = {}
         self._grad_srcs: dict[tuple, tuple] = {}  # `_grad_source` memo, by placements
         self._memories: dict[tuple[fx.Node, int], float] = {}
@@ -381,21 +382,33 @@ class CostContext(EdgeMatrices):
             content = (*specs, edge.dims, edge.itemsize, edge.memo_weight, edge.into_partial)
             found = self._priced.get(content)
             if found is None:
-                found = self._priced[content] = self._edge_parts(edge, tuple(src), s, dst)
+                found = self._priced[content] = self._edge_parts(edge, specs, src, dst, grad)
             self._parts[key] = found
         return found
 
-    def _edge_parts(self, edge: EdgeValue, src, s: NodeStrategy, dst) -> tuple[float, float]:
-        grad_dst = self._grad_spec_at_consumer(dst, s)
-        grad_src = self._grad_source(src)
+    def _edge_parts(self, edge: EdgeValue, specs, src, dst, grad) -> tuple[float, float]:
+        """`specs`: the numbers (`_spec_number`) of `src`, `dst` and `grad` (the gradient's
+        spec at the consumer), by which the seconds are memoized."""
+        n_src, n_dst, n_grad = specs
+        n_grad_src, grad_src = self._numbered_grad_source(n_src, src)
         grad_size = size = edge.itemsize
         if self.reduce_itemsize and edge.weight and same_spec(src, dst):
             # a weight's gradient not reduced by a forward gather's backward reaches the
             # parameter partial and is reduced there, in reduce_dtype (`passes.precision`)
             grad_size = self.reduce_itemsize
-        fwd = self._redistribute(src, tuple(dst), edge.dims, size, edge.into_partial)
-        bwd = self._redistribute(grad_dst, grad_src, edge.dims, grad_size, False)
+        fwd = self._redistribute(
+            (n_src, n_dst, edge.dims, size, edge.into_partial), src, dst, edge.into_partial
+        )
+        bwd = self._redistribute((n_grad, n_grad_src, edge.dims, grad_size), grad, grad_src)
         return fwd, bwd
+
+    def _numbered_grad_source(self, number: int, src) -> tuple[int, tuple]:
+        """(number, spec) of `_grad_source(src)`, `src` numbered `number`."""
+        found = self._grad_src_numbers.get(number)
+        if found is None:
+            spec = self._grad_source(tuple(src))
+            found = self._grad_src_numbers[number] = (self._spec_number(spec), spec)
+        return found
 
     def _grad_source(self, src: tuple) -> tuple:
         """The gradient's placement at the producer: its Partials are Replicate there."""
@@ -478,12 +491,14 @@ class CostContext(EdgeMatrices):
             )
         return tuple(out)
 
-    def _redistribute(self, src, dst, shape, itemsize, into_partial) -> float:
-        key = (src, dst, shape, itemsize, into_partial)
+    def _redistribute(self, key: tuple, src, dst, into_partial: bool = False) -> float:
+        """`reshard_seconds`, memoized by `key`: (source and destination spec numbers,
+        shape, item size[, into a Partial])."""
         found = self._redistributed.get(key)
         if found is None:
+            _, _, shape, itemsize, *_ = key
             found = self._redistributed[key] = reshard_seconds(
-                self.cluster, src, dst, shape, itemsize, into_partial
+                self.cluster, tuple(src), tuple(dst), shape, itemsize, into_partial
             )
         return found
 
