@@ -25,6 +25,10 @@ next; timed as loops they agree within ~15%):
   of the large ones a training step's layers run), and the per-kernel
   fixed time ``c`` of the fit ``t = f / peak + c`` gives ``matmul_half_flops = c * peak``
   (``autopar.cost_models.compute``: ``f / (peak * f / (f + h)) = (f + h) / peak``);
+* matmul ``[d, n] @ [n, n]`` in float32 for a few thin ``d`` at a layer's width ``n``:
+  ``matmul_half_dim`` = the median ``d_half`` of ``rate / peak = d / (d + d_half)``
+  (a matmul with a small side runs far from peak whatever its FLOPs: 2-core CPU, n =
+  2048, d = 32 ran at 0.62 of the large rate), taken out of the square sizes' fixed time;
 * memory-bound ``y = x * 2`` over sizes: ``memory_bandwidth`` = the rate of read + write at
   the largest size (smaller ones may run from a cache; on CPU the largest, 64 MiB, is past
   glibc's mmap threshold, so each output is freshly mapped as a step's large tensors are:
@@ -73,9 +77,17 @@ __all__ = ["SIZES", "calibrate", "write_calibration"]
 
 # sizes per mode: matmul n, memory-bound elements, collective bytes, repetitions
 SIZES: dict[str, dict[str, Any]] = {
-    "tiny": {"matmul": (32, 64), "memory": (2**12, 2**14), "comm": (2**10, 2**14), "reps": 2},
+    "tiny": {
+        "matmul": (32, 64),
+        "skinny": ((8, 16), 64),
+        "memory": (2**12, 2**14),
+        "comm": (2**10, 2**14),
+        "reps": 2,
+    },
     "quick": {
         "matmul": (64, 128, 256, 512),
+        # [d, n] @ [n, n] at the widths of a training step's layers: how thin rows slow it
+        "skinny": ((16, 32, 64, 128), 2048),
         # up to 64 MiB: above glibc's largest mmap threshold (32 MiB) a new output is a
         # fresh mapping, written page fault by page fault, as a step's large tensors are
         "memory": (2**16, 2**18, 2**20, 2**22, 2**24),
@@ -84,6 +96,7 @@ SIZES: dict[str, dict[str, Any]] = {
     },
     "gpu": {
         "matmul": (512, 1024, 2048, 4096, 8192),
+        "skinny": ((32, 64, 128, 256, 512), 8192),
         "memory": (2**20, 2**24, 2**27),
         "comm": (2**14, 2**20, 2**24, 2**27),
         "reps": 5,
@@ -155,7 +168,12 @@ def cluster_from_measurements(
     peaks = {k: rows[-1][2] for k, rows in m["matmul"].items()}  # the largest size's rate
     fp32 = m["matmul"]["float32"]
     launch = m["launch_s"]
-    fixed = [max(t - f / peaks["float32"] - launch, 0.0) for f, t, _ in fp32]
+    thin = _half_dim(m.get("skinny", []), peaks["float32"], launch)
+    sides = [(f / 2) ** (1 / 3) for f, _, _ in fp32]  # a square matmul's time beyond its
+    fixed = [  # FLOPs at the rate its side n allows
+        max(t - f * (n + thin) / (peaks["float32"] * n) - launch, 0.0)
+        for (f, t, _), n in zip(fp32, sides, strict=True)
+    ]
     half = statistics.median(fixed) * peaks["float32"]
     attention = min(1.0, m["attention_flops"] / peaks["float32"]) if m["attention_flops"] else 1.0
     device = DeviceSpec(
@@ -164,6 +182,7 @@ def cluster_from_measurements(
         m["memory_bytes"],
         m["memory"][-1][2],  # the largest size: streamed from memory, not from a cache
         matmul_half_flops=half,
+        matmul_half_dim=thin,
         attention_efficiency=max(attention, 1e-6),
         launch_overhead=launch,
         overlap_efficiency=overlap_efficiency(*m["overlap"]) if "overlap" in m else 1.0,
@@ -174,6 +193,13 @@ def cluster_from_measurements(
     widest = max(range(len(mesh)), key=lambda i: mesh[i])
     fabric = Fabric(links[widest], math.inf, links[widest].latency)
     return Cluster(device, mesh, names, links, backend, math.prod(mesh), fabric)
+
+
+def _half_dim(skinny: list, peak: float, launch: float) -> float:
+    """`DeviceSpec.matmul_half_dim`: per measured ``[d, n] @ [n, n]``, the ``d_half`` with
+    ``rate / peak = d / (d + d_half)``; their median (0 where none is slower than peak)."""
+    fits = [d * (peak / (f / max(t - launch, 1e-12)) - 1.0) for d, f, t in skinny]
+    return max(statistics.median(fits), 0.0) if fits else 0.0
 
 
 def overlap_efficiency(compute: float, collective: float, both: float) -> float:
@@ -289,6 +315,7 @@ def _worker(
         dmesh = init_device_mesh(device, tuple(mesh), mesh_dim_names=tuple(names))
         cfg = SIZES[sizes]
         total = 2 + len(cfg["matmul"]) * len(_DTYPES) + len(cfg["memory"])
+        total += len(cfg["skinny"][0])
         total += len(names) * len(cfg["comm"]) * (len(_KINDS) + 1) + 1
         bar = _Progress(total, show and rank == 0)
         measured = _measure(device, dmesh, names, cfg, bar)
@@ -364,6 +391,13 @@ def _measure(device: str, dmesh, names, cfg: dict[str, Any], bar: _Progress) -> 
                 matmul[key].append((2.0 * n**3, t, 2.0 * n**3 / t))
                 slow = _agree(t > _SLOW_S, device)
             bar.step(f"matmul {key} n={n}")
+    rows, width = cfg["skinny"]
+    w = torch.randn(width, width, device=device)
+    skinny = []
+    for d in rows:
+        a = torch.randn(d, width, device=device)
+        skinny.append((d, 2.0 * d * width * width, _timed(lambda a=a: a @ w, device, reps)))
+        bar.step(f"matmul float32 {d} x {width}")
     memory = []
     for numel in cfg["memory"]:
         x = torch.randn(numel, device=device)
@@ -380,6 +414,7 @@ def _measure(device: str, dmesh, names, cfg: dict[str, Any], bar: _Progress) -> 
         "memory_bytes": _memory_bytes(device, dist.get_world_size()),
         "launch_s": launch,
         "matmul": matmul,
+        "skinny": skinny,
         "memory": memory,
         "attention_flops": attention,
         "comm": comm,

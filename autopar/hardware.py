@@ -25,6 +25,7 @@ _DEVICE_FIELDS = (
     "memory_bandwidth",
     "matmul_efficiency",
     "matmul_half_flops",
+    "matmul_half_dim",
     "attention_efficiency",
     "memory_efficiency",
     "launch_overhead",
@@ -106,6 +107,9 @@ class DeviceSpec:
     # for NCCL on its own SMs (the GPU presets' assumption); processes sharing CPU cores
     # with gloo's threads hide little (`autopar calibrate` measures it)
     overlap_efficiency: float = 1.0
+    # the smallest of a matmul kernel's rows, inner and columns at which it runs at half
+    # its rate (0: no shape effect): a skinny matmul is far from peak whatever its FLOPs
+    matmul_half_dim: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -122,7 +126,7 @@ class DeviceSpec:
         )
         for name in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
             object.__setattr__(self, name, _fraction(getattr(self, name), name))
-        for name in ("matmul_half_flops", "launch_overhead"):
+        for name in ("matmul_half_flops", "matmul_half_dim", "launch_overhead"):
             object.__setattr__(self, name, _non_negative(getattr(self, name), name))
         overlap = float(self.overlap_efficiency)
         if not 0 <= overlap <= 1:

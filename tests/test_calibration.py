@@ -101,6 +101,15 @@ def test_cluster_from_measurements_takes_the_largest_sizes_rates() -> None:
     assert cluster_from_measurements(m, (2,), ("dp",), "gloo").device.overlap_efficiency == (
         pytest.approx(0.5)
     )
+    assert c.device.matmul_half_dim == 0.0  # no thin matmul measured: no shape effect
+    # [d, 2048] @ [2048, 2048] at d / (d + 20) of the peak: the fit finds 20
+    m["skinny"] = [
+        [d, 2.0 * d * 2048**2, 2.0 * d * 2048**2 / (5e10 * d / (d + 20)) + 5e-6]
+        for d in (16, 32, 64)
+    ]
+    thin = cluster_from_measurements(m, (2,), ("dp",), "gloo").device
+    assert thin.matmul_half_dim == pytest.approx(20.0)
+    assert thin.matmul_half_flops <= c.device.matmul_half_flops  # thin squares explained
     assert overlap_efficiency(0.03, 0.02, 0.06) == 0.0  # slower together: nothing hidden
     assert overlap_efficiency(0.03, 0.02, 0.03) == 1.0
 
@@ -116,7 +125,8 @@ def test_calibrate_command_writes_a_loadable_cluster(tmp_path: Path) -> None:
     assert all(v > 0 for v in cluster.device.peak_flops.values())
     assert cluster.links[0].bandwidth > 0 and cluster.device.launch_overhead > 0
     raw = json.loads(out.read_text())
-    assert {"matmul", "memory", "comm", "overlap", "taken_at"} <= set(raw["calibration"])
+    assert {"matmul", "skinny", "memory", "comm", "overlap", "taken_at"} <= set(raw["calibration"])
+    assert cluster.device.matmul_half_dim >= 0
     assert 0.0 <= calibration_age_hours(out) < 1.0  # dated: a calibration is of its day
     assert 0.0 <= cluster.device.overlap_efficiency <= 1.0
     assert len(raw["calibration"]["comm"]["dp"]) == 2 * 5  # 2 sizes x (4 collectives + p2p)

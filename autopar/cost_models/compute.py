@@ -25,7 +25,11 @@ Time (``compute_time``): a roofline at the rates kernels achieve, plus launches:
 ``eff`` depends on the op class (``op_class``): matmuls follow the size curve
 ``eff(f) = matmul_efficiency * f / (f + matmul_half_flops)`` in the FLOPs ``f`` of one kernel
 (small matmuls are far from peak; the curve is a fixed ``half_flops / (peak * eff)`` seconds
-per kernel added to the large-matmul rate), fused attention runs at
+per kernel added to the large-matmul rate), times ``d / (d + matmul_half_dim)`` in the
+smallest local dimension ``d`` of a plain matmul (``matmul_dims``: a skinny matmul, a few
+rows of a microbatch split many ways or a weight gradient over them, is far from peak
+whatever its FLOPs: on a 2-core CPU ``[32, 2048] @ [2048, 2048]`` ran at 0.62 of the large
+rate, ``d_half`` ~19), fused attention runs at
 ``attention_efficiency``, and memory-bound ops (``"memory"``: everything else, whose
 arithmetic intensity puts them on the bandwidth side; their FLOP side stays at peak) stream
 at ``memory_efficiency`` of the HBM bandwidth, as every class's bytes do. The figures live on ``DeviceSpec`` (presets: published measurements;
@@ -66,6 +70,9 @@ __all__ = [
     "compute_efficiency",
     "compute_time",
     "entry_bytes",
+    "matmul_dims",
+    "shard_count",
+    "smallest_local_dim",
     "op_class",
     "training_kernels",
     "node_bytes",
@@ -222,14 +229,69 @@ def op_class(node: Node) -> str:
     return "matmul" if packet in _MATMUL or packet in flop_registry else "memory"
 
 
+_MATRIX_OPERANDS = {  # op -> positions of its two matrices among its operands
+    aten.mm: (0, 1),
+    aten.bmm: (0, 1),
+    aten.addmm: (1, 2),
+    aten.baddbmm: (1, 2),
+}
+
+
+def matmul_dims(node: Node) -> tuple[tuple[int, int, int], ...] | None:
+    """(operand position, tensor dim, size) of a plain matmul's rows, inner dimension and
+    columns (``a [.., M, K] @ b [.., K, N]``), what its three kernels' smallest dimension
+    is read from once a strategy shards them; None for any other node."""
+    pair = _MATRIX_OPERANDS.get(_packet(node))
+    if pair is None:
+        return None
+    ops = operands(node)
+    if max(pair) >= len(ops):
+        return None
+    a, b = (ops[i].tensor for i in pair)
+    if a is None or b is None or a.dim() < 2 or b.dim() < 2:
+        return None
+    i, j = pair
+    return (
+        (i, a.dim() - 2, int(a.shape[-2])),
+        (i, a.dim() - 1, int(a.shape[-1])),
+        (j, b.dim() - 1, int(b.shape[-1])),
+    )
+
+
+def smallest_local_dim(
+    dims: tuple[tuple[int, int, int], ...], inputs: tuple, mesh_shape: tuple[int, ...]
+) -> float:
+    """The smallest of `matmul_dims`' sizes once the specs `inputs` (a strategy's, per
+    operand) shard them."""
+    out = math.inf
+    for pos, dim, size in dims:
+        spec = inputs[pos] if pos < len(inputs) else None
+        out = min(out, size / shard_count(spec, mesh_shape, dim))
+    return out
+
+
+def shard_count(spec, mesh_shape: tuple[int, ...], dim: int | None = None) -> int:
+    """How many pieces `spec` cuts a tensor (its dim `dim`, where given) into: 1 where it
+    is replicated or partial (None: no spec)."""
+    out = 1
+    for axis, p in enumerate(spec or ()):
+        if p.is_shard(dim):
+            out *= mesh_shape[axis]
+    return out
+
+
 def training_kernels(node: Node) -> int:
     """Kernels a node runs in forward + backward: a matmul's backward runs two (grad of the
     input and of the weight), attention's and every other op's one."""
     return 3 if _packet(node) in _MATMUL else 2
 
 
-def compute_efficiency(flops_per_kernel: float, op: str, cluster: Cluster) -> float:
-    """Achieved fraction of peak FLOP/s of one ``op``-class kernel of that size, in (0, 1]."""
+def compute_efficiency(
+    flops_per_kernel: float, op: str, cluster: Cluster, min_dim: float | None = None
+) -> float:
+    """Achieved fraction of peak FLOP/s of one ``op``-class kernel of that size, in (0, 1];
+    ``min_dim``: a matmul's smallest local dimension (rows, inner, columns; None: unknown),
+    which scales it by ``min_dim / (min_dim + matmul_half_dim)``."""
     device = cluster.device
     if op == "attention":
         return device.attention_efficiency
@@ -240,6 +302,9 @@ def compute_efficiency(flops_per_kernel: float, op: str, cluster: Cluster) -> fl
     f = max(float(flops_per_kernel), 0.0)
     half = device.matmul_half_flops
     size = f / (f + half) if half > 0 else 1.0
+    thin = device.matmul_half_dim
+    if min_dim is not None and thin > 0:
+        size *= min_dim / (min_dim + thin)
     # a kernel too small to measure still makes progress: floor far below any real figure
     return max(device.matmul_efficiency * size, 1e-9)
 
@@ -252,14 +317,16 @@ def compute_time(
     *,
     op: str = "matmul",
     kernels: int = 1,
+    min_dim: float | None = None,
 ) -> float:
     """Seconds of ``kernels`` kernels of class ``op`` doing ``flops`` and moving ``nbytes``
-    in total (see the module docstring); 0 work costs nothing."""
+    in total (see the module docstring; ``min_dim``: `compute_efficiency`); 0 work costs
+    nothing."""
     if flops <= 0 and nbytes <= 0:
         return 0.0
     device = cluster.device
     k = max(int(kernels), 1)
-    eff = compute_efficiency(flops / k, op, cluster)
+    eff = compute_efficiency(flops / k, op, cluster, min_dim)
     return (
         max(
             flops / (device.peak_flops_for(dtype) * eff),

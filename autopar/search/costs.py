@@ -31,8 +31,8 @@ edge cost  = redistribute(producer output -> consumer input), plus one link late
 memory     = placeholders: `cost_models.memory.param_state_bytes` (local shard x (param +
              grad + optimizer states), as the runtime holds them: fp32 master under the
              mixed-precision policy, ZeRO with `shard_optimizer` / `shard_gradients`);
-             other nodes: `activation_bytes` of their outputs (saved
-             for backward), 0 for views and getitems (the producer counts its outputs).
+             other nodes: `activation_bytes` of their outputs (saved for backward), 0 for
+             views and getitems (the producer counts its outputs).
 
 Inputs are operands (`autopar.capture.operands`): an edge joins the producer of an operand
 to its consumer at the operand's position, and prices the value the operand reads (the
@@ -141,6 +141,7 @@ class CostContext(EdgeMatrices):
         self._memories: dict[tuple[fx.Node, int], float] = {}
         self._byte_parts: dict[fx.Node, tuple | None] = {}  # `local_bytes`' table
         self._spec_shards: dict[int, int] = {}  # by `_spec_number`
+        self._matmul_dims: dict[fx.Node, tuple | None] = {}
         EdgeMatrices.__init__(self)
 
     # ---- graph helpers -------------------------------------------------------------------
@@ -170,6 +171,7 @@ class CostContext(EdgeMatrices):
             self.cluster,
             op=compute.op_class(n),
             kernels=compute.training_kernels(n),
+            min_dim=self._min_dim(n, s),
         )
         t += REGION_EXCHANGES * self._region_exchange(n, s)
         ring = attention.ring_axis(n, s)
@@ -189,7 +191,12 @@ class CostContext(EdgeMatrices):
         fwd, _ = self._forward_work[n]
         split = self._split(s) / attention.work_factor(n, s, self.mesh_shape)
         t = compute.compute_time(
-            fwd / split, self.local_bytes(n, s), dtype, self.cluster, op=compute.op_class(n)
+            fwd / split,
+            self.local_bytes(n, s),
+            dtype,
+            self.cluster,
+            op=compute.op_class(n),
+            min_dim=self._min_dim(n, s),
         )
         t += REGION_FORWARD_EXCHANGES * self._region_exchange(n, s)
         ring = attention.ring_axis(n, s)
@@ -224,10 +231,8 @@ class CostContext(EdgeMatrices):
         return self._flops[n]
 
     def local_bytes(self, n: fx.Node, s: NodeStrategy) -> float:
-        """Bytes one rank's forward kernel of `n` moves under `s`: each tensor operand and
-        output at its local size (a replicated weight is read whole on every rank however
-        the work is split: a small-batch dp matmul is bound by it); a gather's table at
-        the rows it reads, split with the work (`compute.node_bytes`)."""
+        """Bytes one rank's forward kernel of `n` moves under `s`: each operand and output
+        at its local size (`compute.entry_bytes`: a replicated weight is read whole)."""
         parts = self._byte_parts.get(n)
         if parts is None:
             self._work(n)
@@ -240,18 +245,19 @@ class CostContext(EdgeMatrices):
                 total += nbytes / self._shards(spec) if nbytes else 0.0
         return total
 
+    def _min_dim(self, n: fx.Node, s: NodeStrategy) -> float | None:
+        """A plain matmul's smallest local dimension under `s` (`compute.matmul_dims`)."""
+        if (dims := self._matmul_dims.get(n, ())) == ():
+            dims = self._matmul_dims[n] = compute.matmul_dims(n)
+        return None if dims is None else compute.smallest_local_dim(dims, s.inputs, self.mesh_shape)
+
     def _shards(self, spec: Spec | None) -> int:
-        """How many pieces `spec` cuts a tensor into (1: replicated or partial)."""
         if spec is None:
             return 1
         number = self._spec_number(spec)
         found = self._spec_shards.get(number)
         if found is None:
-            found = 1
-            for axis, p in enumerate(spec):
-                if p.is_shard():
-                    found *= self.mesh_shape[axis]
-            self._spec_shards[number] = found
+            found = self._spec_shards[number] = compute.shard_count(spec, self.mesh_shape)
         return found
 
     def _split(self, s: NodeStrategy) -> int:
@@ -404,18 +410,15 @@ class CostContext(EdgeMatrices):
 
     def _numbered_grad_source(self, number: int, src) -> tuple[int, tuple]:
         """(number, spec) of `_grad_source(src)`, `src` numbered `number`."""
-        found = self._grad_src_numbers.get(number)
-        if found is None:
+        if (found := self._grad_src_numbers.get(number)) is None:
             spec = self._grad_source(tuple(src))
             found = self._grad_src_numbers[number] = (self._spec_number(spec), spec)
         return found
 
     def _grad_source(self, src: tuple) -> tuple:
         """The gradient's placement at the producer: its Partials are Replicate there."""
-        found = self._grad_srcs.get(src)  # `src` is a fresh tuple per call: by content
-        if found is None:
-            found = tuple(Replicate() if p.is_partial() else p for p in src)
-            self._grad_srcs[src] = found
+        if (found := self._grad_srcs.get(src)) is None:  # by content: `src` is a fresh tuple
+            found = self._grad_srcs[src] = tuple(Replicate() if p.is_partial() else p for p in src)
         return found
 
     def weight_gathers(self, op: Operand, src, v: fx.Node, s: NodeStrategy, pos: int):
