@@ -261,12 +261,13 @@ def overlapped_step(
     ready, durations, copies = [], [], 0.0
     for (_, kind, axis), items in by_key.items():
         sizes = [b for _, b in items]
-        times = bucket_times(kind, sizes, axis, cluster, *caps)
-        for bucket, t in zip(bucket_plan(sizes, *caps), times, strict=True):
+        for bucket in bucket_plan(sizes, *caps):  # as `bucket_times` prices them
+            total = sum(sizes[i] for i in bucket)
+            t = collective_time(kind, total, axis, cluster)
             ready.append(items[bucket[-1]][0])
-            durations.append(t)
+            durations.append(t + launch(kind, axis, cluster) if t > 0 else 0.0)
             if len(bucket) > 1:  # concatenated into its flat buffer (module doc)
-                copies += copy_time(kind, sum(sizes[i] for i in bucket), axis, cluster)
+                copies += copy_time(kind, total, axis, cluster)
     clock += copies
     if not comm.overlap:
         waited = sum(gathers) + sum(regathers) + sum(durations)
