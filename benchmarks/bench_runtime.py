@@ -20,7 +20,9 @@ batch with AdamW (lr `autopar.testing.reference.LR`, activation checkpointing of
                                                local heads), the rest replicated
 
 A step is forward + backward + optimizer step, synchronised by `float(loss)`; its time is
-the slowest rank's; the table shows the median over `--steps` after `--warmup`, the ratio
+the slowest rank's. A family's implementations train in rounds, one step of each per round
+(`run_family`), so that the machine's load falls on both alike; the table shows the median
+over `--steps` after `--warmup`, the ratio
 torch / autopar (speed: > 1 means autopar is faster) and autopar's predicted step time
 (`plan.predicted_step_time`). The losses of each pair must agree at every step (`--tol`,
 relative): the bench exits 1 when a run diverges.
@@ -214,9 +216,10 @@ def _global_loss(family: str, impl: str, loss: torch.Tensor) -> torch.Tensor:
     return loss
 
 
-def run_one(family: str, impl: str, args, rank: int) -> dict:
+def prepare(family: str, impl: str, args, rank: int):
+    """(row, forward-backward, optimizer step) of one implementation of a family."""
     model, batch = load_model(args.sample, args.config, args.batch, seed=0)
-    out: dict = {"family": family, "impl": impl}
+    out: dict = {"family": family, "impl": impl, "ms": [], "losses": []}
     if impl.startswith("autopar"):
         pm, fwd_bwd, opt_step = autopar_runner(
             family, model, batch, impl == "autopar", args.cluster
@@ -232,25 +235,35 @@ def run_one(family: str, impl: str, args, rank: int) -> dict:
         )
     else:
         fwd_bwd, opt_step = torch_runner(family, model, batch, rank, WORLD)
-    losses, times = [], []
+    return out, fwd_bwd, opt_step
+
+
+def run_family(family: str, impls: tuple[str, ...], args, rank: int) -> list[dict]:
+    """Every implementation of `family` prepared, then trained in rounds, one step of each
+    per round (so that a slower spell of the shared machine falls on all alike: one
+    implementation's steps run after the other's measured the same program up to 15%
+    apart from one run to the next); each keeps its own model, so the losses are those of
+    its own training."""
+    runs = [prepare(family, impl, args, rank) for impl in impls]
     for i in range(args.warmup + args.steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = fwd_bwd()
-        opt_step()
-        float(loss.detach())  # synchronise (a no-op on CPU, a device sync on GPU)
-        dt = time.perf_counter() - t0
-        losses.append(_global_loss(family, impl, loss))
-        if i >= args.warmup:
-            times.append(dt)
-    slowest = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    out["ms"] = [1e3 * t for t in slowest.tolist()]
-    out["losses"] = [float(x) for x in losses]
-    if args.profile:
-        out["profile"] = profile_steps(args.profile, fwd_bwd, opt_step, rank)
+        for out, fwd_bwd, opt_step in runs:
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = fwd_bwd()
+            opt_step()
+            float(loss.detach())  # synchronise (a no-op on CPU, a device sync on GPU)
+            dt = time.perf_counter() - t0
+            out["losses"].append(float(_global_loss(family, out["impl"], loss)))
+            if i >= args.warmup:
+                out["ms"].append(dt)
+    for out, fwd_bwd, opt_step in runs:
+        slowest = torch.tensor(out["ms"], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        out["ms"] = [1e3 * t for t in slowest.tolist()]
+        if args.profile:
+            out["profile"] = profile_steps(args.profile, fwd_bwd, opt_step, rank)
     dist.barrier()
-    return out
+    return [out for out, _, _ in runs]
 
 
 def profile_steps(n: int, fwd_bwd, opt_step, rank: int) -> dict | None:
@@ -313,13 +326,12 @@ def _worker(rank: int, world: int, port: int, args, out_dir: str) -> None:
     try:
         results = []
         for family in args.families:
-            for impl in ("autopar", "torch") + (("autopar-off",) if args.compare_off else ()):
-                results.append(run_one(family, impl, args, rank))
+            impls = ("autopar", "torch") + (("autopar-off",) if args.compare_off else ())
+            for r in run_family(family, impls, args, rank):
+                results.append(r)
                 if rank == 0:
-                    r = results[-1]
-                    print(
-                        f"  {family:5s} {impl:8s} {statistics.median(r['ms']):9.1f} ms", flush=True
-                    )
+                    ms = statistics.median(r["ms"])
+                    print(f"  {family:5s} {r['impl']:8s} {ms:9.1f} ms", flush=True)
         if rank == 0:
             Path(out_dir, "results.json").write_text(json.dumps(results))
     finally:
