@@ -368,10 +368,7 @@ def backward_bytes_factor(node: Node) -> float:
     are each memory-bound, not their FLOPs summed against twice its bytes), fused attention
     reads its inputs, output and output gradient and writes the inputs' gradients (~2x),
     a region runs its forward again and differentiates it (`REGION_BACKWARD_FACTOR`),
-    every other op reads its output's gradient and writes its input's (1x)."""
+    every other op reads its output's gradient and writes its input's (1x): the backward
+    FLOPs factor but for attention, whose backward's extra FLOPs re-read nothing."""
     packet = _packet(node)
-    if packet in _SDPA or packet in _SDPA_FUSED:
-        return 2.0
-    if spec_of(node.target) is not None:
-        return REGION_BACKWARD_FACTOR
-    return 2.0 if packet in _MATMUL else 1.0
+    return 2.0 if packet in _SDPA or packet in _SDPA_FUSED else backward_factor(node)
