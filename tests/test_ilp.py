@@ -18,7 +18,7 @@ from autopar.search import (
 )
 
 INF = math.inf
-BACKENDS = ["highs", "cpsat"]
+BACKENDS = ["auto", "highs", "cpsat"]
 
 
 def _problem(cost, memory, edges, limit=INF, time_limit_s=10.0) -> IntraOpProblem:
@@ -256,6 +256,7 @@ def test_falls_back_to_cpsat_when_highs_fails(monkeypatch: pytest.MonkeyPatch) -
         return real_solve(model, solver, **kwargs)
 
     monkeypatch.setattr(ilp.mathopt, "solve", fake_solve)
+    monkeypatch.setattr(ilp.elimination, "settle", lambda *args: None)  # to the MIP
     sol = solve_intra_op(_chain3())
     assert used == [ilp.mathopt.SolverType.HIGHS, ilp.mathopt.SolverType.CP_SAT]
     assert sol.choices == (1, 1, 1) and sol.status == "optimal"
@@ -371,3 +372,74 @@ def test_a_relaxation_that_mixes_choices_to_fit_memory_does_not_settle_the_ilp()
     assert ilp._relaxation_if_settled(mdl, red, p, 10.0) is None and mdl.rounded is None
     sol = solve_intra_op(p)
     assert (sol.objective, sol.memory) == (1.0, 0.0) and sol.status == "optimal"
+
+
+def _settle(p: IntraOpProblem):
+    from autopar.search import elimination
+    from autopar.search.ilp import _REL_GAP, _reduce
+
+    return elimination.settle(_reduce(p), p.memory_limit, lambda c: evaluate(p, c), _REL_GAP)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_elimination_settles_or_narrows_without_losing_the_optimum(seed: int) -> None:
+    """Variable elimination proves the optimum when the least-cost (or, among ties,
+    least-memory) assignment fits or the Lagrangian bound meets its best fitting answer;
+    otherwise every choice it forbids lies outside any assignment that beats that answer:
+    the brute-force optimum keeps all its choices."""
+    p = _lever_problem(seed)
+    best, arg = _brute_force(p)
+    settled = _settle(p)
+    if not math.isfinite(best):
+        assert settled is None or not settled.optimal
+        return
+    assert settled is not None
+    if settled.optimal:
+        assert evaluate(p, settled.choices)[0] == pytest.approx(best, rel=1e-9)
+        return
+    if settled.choices is not None:  # a fitting answer, no better than the optimum
+        cost, memory = evaluate(p, settled.choices)
+        assert memory <= p.memory_limit and cost >= best * (1 - 1e-9)
+    for i, kept in (settled.keep or {}).items():
+        optima = [
+            ch
+            for ch in itertools.product(*(range(len(c)) for c in p.node_cost))
+            if (v := evaluate(p, ch))[1] <= p.memory_limit and v[0] <= best * (1 + 1e-12)
+        ]
+        assert any(ch[i] in kept for ch in optima), (i, kept, arg)
+
+
+def test_elimination_answers_a_chain_without_the_mip(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The least-cost assignment of `_chain3` fits (no limit; then a limit it meets
+    exactly): `solve_intra_op` returns it without building a MIP."""
+    from autopar.search import ilp
+
+    def no_mip(*args, **kw):
+        raise AssertionError("the MIP was built")
+
+    monkeypatch.setattr(ilp, "_solve_model", no_mip)
+    for limit in (INF, 9.0):
+        sol = solve_intra_op(_chain3(limit=limit))
+        assert (sol.choices, sol.objective, sol.status) == ((1, 1, 1), 3.0, "optimal")
+
+
+def test_elimination_breaks_a_tie_towards_the_assignment_that_fits() -> None:
+    """Two choices cost the same; the first needs more memory than the limit: the tie
+    goes to the second, proven without the MIP."""
+    p = _problem([[1, 1], [0, 0]], [[5, 1], [1, 1]], [(0, 1, ((0, 0), (0, 0)))], limit=3.0)
+    settled = _settle(p)
+    assert settled is not None and settled.optimal and settled.choices[0] == 1
+
+
+def test_elimination_gives_way_to_the_mip_past_its_largest_bucket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bucket over `MAX_BUCKET` entries: `settle` declines, the MIP solves."""
+    from autopar.search import elimination
+
+    monkeypatch.setattr(elimination, "MAX_BUCKET", 3)
+    p = _random_problem(0)
+    assert _settle(p) is None
+    best, _ = _brute_force(p)
+    if math.isfinite(best):
+        assert solve_intra_op(p).objective == pytest.approx(best, rel=1e-6)

@@ -60,12 +60,14 @@ stays outside the model so the solver's relative gap sees only the rest) and div
 largest one (memory likewise; an edge's memory is shifted by its own minimum, since exactly
 one of its ``e`` is 1); objective / memory are recomputed by :func:`evaluate`.
 
-Solver: OR-Tools MathOpt with HiGHS, its LP relaxation first (an assignment read off its
-optimum that costs that optimum is the MIP's; the usual case here,
+Solver: variable elimination first (`autopar.search.elimination.settle`: the least-cost
+assignment, a Lagrangian walk over the memory row, then Lagrangian variable fixing), which
+proves most optima without a MIP and leaves the rest a MIP over the choices that can still
+beat its best answer (`_narrowed`); then OR-Tools MathOpt with HiGHS, its LP relaxation
+first (an assignment read off its optimum that costs that optimum is the MIP's,
 `_relaxation_if_settled`), then the MIP (without restarts or sub-MIP heuristics,
-`_HIGHS_SWITCHES`); CP-SAT
-(``num_workers=8``) when HiGHS is unavailable, errors out or finds no solution within the
-time limit.
+`_HIGHS_SWITCHES`); CP-SAT (``num_workers=8``) when HiGHS is unavailable, errors out or
+finds no solution within the time limit.
 """
 
 from __future__ import annotations
@@ -74,12 +76,12 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 from ortools.math_opt.python import mathopt
 
-from autopar.search import ahead
+from autopar.search import ahead, elimination
 from autopar.search.ilp_model import _build, _Model  # noqa: F401 - tests build models
 from autopar.search.ilp_problem import (  # noqa: F401 - re-exported
     Edge,
@@ -303,7 +305,8 @@ def _diagnose(red: _Reduced, p: IntraOpProblem, backend: str) -> Exception:
 
 
 def solve_intra_op(problem: IntraOpProblem, *, backend: str = "auto") -> IntraOpSolution:
-    """Solve the intra-op ILP. ``backend``: "auto" (HiGHS, then CP-SAT), "highs", "cpsat".
+    """Solve the intra-op ILP. ``backend``: "auto" (`elimination.settle`, then HiGHS on
+    what it leaves, then CP-SAT), "highs", "cpsat".
 
     Raises :class:`MemoryInfeasible` when no assignment fits ``memory_limit`` and
     ``ValueError`` when the forbidden choices/pairs leave no assignment at all.
@@ -313,16 +316,46 @@ def solve_intra_op(problem: IntraOpProblem, *, backend: str = "auto") -> IntraOp
     min_mem = red.min_memory()
     if min_mem > problem.memory_limit:
         raise MemoryInfeasible(min_mem, problem.memory_limit)
-    mdl, red, result = _solve_model(problem, backend, reduced=red)
+    settled = None
+    if backend == "auto":
+        settled = elimination.settle(
+            red, problem.memory_limit, lambda choices: evaluate(problem, choices), _REL_GAP
+        )
+        if settled is not None and settled.optimal:
+            return _solution(problem, settled.choices, "optimal", 0.0, t0)
+    narrowed = problem if settled is None else _narrowed(problem, settled)
+    mdl, solved, result = _solve_model(
+        narrowed, backend, reduced=red if narrowed is problem else None
+    )
     if not result.has_primal_feasible_solution():
         if result.termination.reason in _PROVEN_INFEASIBLE:
             raise _diagnose(red, problem, backend)
         raise SolverTimeout(f"no solution in {problem.time_limit_s} s: {result.termination}")
-    choices = _choices(mdl, red, result)
-    objective, memory = evaluate(problem, choices)
+    choices = _choices(mdl, solved, result)
+    objective, _ = evaluate(problem, choices)
+    if settled is not None and settled.choices is not None:
+        known, _ = evaluate(problem, settled.choices)
+        if known <= objective:  # the MIP's answer within its gap of the one it was handed
+            choices, objective = settled.choices, known
     status = "optimal" if result.termination.reason == _TR.OPTIMAL else "feasible"
-    gap, elapsed = _gap(mdl, result, objective), time.perf_counter() - t0
-    return IntraOpSolution(choices, objective, memory, gap, status, elapsed)
+    return _solution(problem, choices, status, _gap(mdl, result, objective), t0)
+
+
+def _solution(p: IntraOpProblem, choices, status: str, gap: float, t0: float) -> IntraOpSolution:
+    objective, memory = evaluate(p, choices)
+    return IntraOpSolution(choices, objective, memory, gap, status, time.perf_counter() - t0)
+
+
+def _narrowed(p: IntraOpProblem, settled: elimination.Settled) -> IntraOpProblem:
+    """`p` with the choices `settled` proved cannot beat its answer forbidden (inf cost):
+    the MIP then solves only what is left, its answer among them."""
+    if not settled.keep:
+        return p
+    cost = list(p.node_cost)
+    for i, kept in settled.keep.items():
+        keep = set(kept)
+        cost[i] = tuple(c if k in keep else math.inf for k, c in enumerate(cost[i]))
+    return replace(p, node_cost=tuple(cost))
 
 
 def solve_all(

@@ -1,0 +1,311 @@
+"""The intra-op problem by variable elimination (min-sum bucket elimination: dynamic
+programming over the decisions' interaction graph), with the memory row relaxed into the
+objective (Lagrangian relaxation, ``cost + lam * memory``).
+
+A sharding problem's graph is nearly a chain: a block's decisions talk to their neighbours
+along the residual stream and the attention / MLP branches, plus one gate (a layer's
+recompute or reshard decision) on the blocks' three-way terms. Eliminated in a weighted
+min-fill order (`_order`), a Llama-3-8B template's widest bucket holds ~5M entries and one
+elimination takes ~0.1-0.3 s of numpy, where HiGHS's LP relaxation of the same problem
+(~40k variables: one per pair of choices on each edge) takes ~0.6 s and a MIP 2-4 s.
+
+`settle` answers what it can prove and narrows the rest for the MIP (`ilp.solve_intra_op`):
+
+1. The least-cost assignment (lam = 0), then the least ``cost + eps * memory`` (the same
+   cost, ties broken towards less memory): one that fits the limit is the optimum.
+2. Otherwise the Lagrangian dual: for every lam, ``L(lam) = min cost + lam * (memory -
+   limit)`` is a lower bound on the optimum; a cutting-plane walk over lam (`_walk`) keeps
+   the best bound and the best fitting assignment seen (an upper bound). Within the MIP's
+   gap of each other, that assignment is the optimum.
+3. Otherwise each choice's min-marginal at the best lam (the least Lagrangian value of an
+   assignment that takes it: one pass up, `_eliminate`, and one down, `_outside`) less
+   ``lam * limit`` bounds every fitting assignment that takes it; a choice whose bound
+   exceeds the best answer known cannot improve on it and is forbidden (Lagrangian
+   variable fixing), and the MIP solves what is left (the best answer known is in it).
+
+Every term of the reduced problem (`ilp_problem._Reduced`) is a factor: a node's row, a
+pair's matrix (inf cost forbids a pair), a block's matrix on its gate's choice, a gate's
+product of literals; each over the allowed choices of its decisions, cost and memory apart.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from autopar.search.ilp_problem import _Reduced
+
+MAX_BUCKET = 8_000_000  # entries of the largest bucket (a decision and its neighbours)
+_TIE_WEIGHT = 1e-9  # eps: a memory limit's worth of bytes costs this much of the cost above
+# its floor (the least of every factor), so ties break towards less memory
+_WALK_STEPS = 12  # elimination passes of the cutting-plane walk at most
+
+Scope = tuple[int, ...]  # decisions, ascending: a factor's axes in this order
+
+
+@dataclass(slots=True)
+class Settled:
+    """`settle`'s answer: `choices` (one per decision) is the optimum when `optimal`;
+    otherwise the best fitting assignment found (or None) and, per free decision, the
+    choices that can still beat it (`keep`; None: all)."""
+
+    choices: tuple[int, ...] | None
+    optimal: bool
+    keep: dict[int, list[int]] | None = None
+
+
+@dataclass(slots=True)
+class _Factors:
+    cost: dict[Scope, np.ndarray]
+    memory: dict[Scope, np.ndarray]
+    sizes: dict[int, int]  # free decision -> allowed choices
+    fixed: tuple[float, float]  # (cost, memory) of the decisions with one allowed choice
+
+    def at(self, lam: float) -> dict[Scope, np.ndarray]:
+        if not lam:
+            return dict(self.cost)
+        return {s: c + lam * self.memory[s] for s, c in self.cost.items()}
+
+
+def settle(red: _Reduced, limit: float, price, rel_gap: float) -> Settled | None:
+    """See the module docstring. `price(choices)` is the (cost, memory) of a full
+    assignment (`ilp_problem.evaluate`'s, in the problem's own choice numbers); None when
+    a bucket would exceed `MAX_BUCKET` entries or no assignment is allowed."""
+    fs = _factors(red)
+    order = _order(fs)
+    if order is None:
+        return None
+
+    def run(lam: float):
+        steps, _ = _eliminate(fs.at(lam), order, keep_buckets=False)
+        if steps is None:
+            return None
+        choices = _choices(red, _back(steps))
+        cost, memory = price(choices)
+        return cost, memory, choices
+
+    first = run(0.0)
+    if first is None or not math.isfinite(first[0]):
+        return None
+    cost0, memory0, choices0 = first
+    if memory0 <= limit:
+        return Settled(choices0, True)
+    floor = fs.fixed[0] + math.fsum(float(np.min(c)) for c in fs.cost.values())
+
+    def proven(cost: float, bound: float) -> bool:  # the MIP's gap: above the floor
+        return cost - bound <= rel_gap * (cost - floor) + 1e-13 * abs(cost)
+
+    tied = run(_TIE_WEIGHT * max(cost0 - floor, 1e-30) / max(abs(limit), 1.0))
+    if tied is not None and tied[1] <= limit and proven(tied[0], cost0):
+        return Settled(tied[2], True)
+    lam, bound, best = _walk(run, limit, first)
+    if best is not None and proven(best[0], bound):
+        return Settled(best[2], True)
+    if best is None:
+        return Settled(None, False)
+    keep = _keep(fs, order, lam, limit, best[0] + 1e-9 * (best[0] - floor) + 1e-12 * abs(best[0]))
+    return Settled(best[2], False, {i: [red.allowed[i][p] for p in ps] for i, ps in keep.items()})
+
+
+def _choices(red: _Reduced, pos: dict[int, int]) -> tuple[int, ...]:
+    out = [ks[0] for ks in red.allowed]
+    for i, p in pos.items():
+        out[i] = red.allowed[i][p]
+    return tuple(out)
+
+
+def _walk(run, limit: float, first):
+    """The cutting-plane walk over lam from `first` (lam = 0, not fitting): lam grows
+    10x until an assignment fits, then each next lam is where the lines of the last
+    fitting and the last unfitting answers cross. Returns (best lam, its bound, the best
+    fitting (cost, memory, choices) or None)."""
+    lo, lam, best = first, max(abs(first[0]), 1e-30) / max(first[1], 1.0) * 1e-3, None
+    best_lam, best_bound, steps = 0.0, first[0], 0  # L(0): the least cost
+    hi = None
+    while steps < _WALK_STEPS:
+        got = run(lam)
+        steps += 1
+        if got is None:
+            break
+        cost, memory, _ = got
+        value = cost + lam * (memory - limit)
+        if value > best_bound:
+            best_lam, best_bound = lam, value
+        if memory <= limit and (best is None or cost < best[0]):
+            best = got
+        if hi is None:
+            if memory <= limit:
+                hi = got
+            else:
+                lo, lam = got, lam * 10
+                continue
+        else:
+            line = lo[0] + lam * (lo[1] - limit)
+            if value >= line - 1e-12 * abs(line):
+                break  # the lines' crossing is the dual's top
+            if memory <= limit:
+                hi = got
+            else:
+                lo = got
+        if lo[1] <= hi[1]:
+            break
+        lam = (hi[0] - lo[0]) / (lo[1] - hi[1])
+    return best_lam, best_bound, best
+
+
+def _keep(
+    fs: _Factors, order: list[int], lam: float, limit: float, upper: float
+) -> dict[int, list[int]]:
+    """Per free decision, the positions of the choices whose Lagrangian min-marginal less
+    lam * limit is at most `upper`."""
+    _, buckets = _eliminate(fs.at(lam), order, keep_buckets=True)
+    outside = _outside(buckets, order, fs.sizes)
+    constant = fs.fixed[0] + lam * fs.fixed[1]
+    keep: dict[int, list[int]] = {}
+    for x in order:
+        scope, rest, _, total = buckets[x]
+        whole = total + _broadcast(outside[x], rest, scope)
+        axes = tuple(a for a, d in enumerate(scope) if d != x)
+        marginal = np.min(whole, axis=axes) if axes else whole
+        keep[x] = np.flatnonzero(marginal + constant - lam * limit <= upper).tolist()
+    return keep
+
+
+def _factors(red: _Reduced) -> _Factors:
+    """Every term as arrays over the allowed choices of its free decisions, terms of one
+    scope summed."""
+    free = [i for i, ks in enumerate(red.allowed) if len(ks) > 1]
+    pos = {i: {k: n for n, k in enumerate(red.allowed[i])} for i in free}
+    cost: dict[Scope, np.ndarray] = {}
+    memory: dict[Scope, np.ndarray] = {}
+
+    def add(scope: Scope, c: np.ndarray, m: np.ndarray) -> None:
+        order = sorted(range(len(scope)), key=scope.__getitem__)
+        key = tuple(scope[j] for j in order)
+        c, m = c.transpose(order), m.transpose(order)
+        cost[key] = cost[key] + c if key in cost else c
+        memory[key] = memory[key] + m if key in memory else m
+
+    for i in free:
+        ks = red.allowed[i]
+        add((i,), np.array(red.cost[i])[ks], np.array(red.mem[i])[ks])
+    for (u, v), m in red.pairs.items():
+        at = np.ix_(red.allowed[u], red.allowed[v])
+        add((u, v), np.array(m)[at], np.array(red.pair_mem[u, v])[at])
+    for (u, v, w, c), (g, gm) in red.blocks.items():
+        at, shape = np.ix_(red.allowed[u], red.allowed[v]), (len(pos[u]), len(pos[v]), len(pos[w]))
+        gc, gmem = np.zeros(shape), np.zeros(shape)
+        gc[:, :, pos[w][c]], gmem[:, :, pos[w][c]] = np.array(g)[at], np.array(gm)[at]
+        add((u, v, w), gc, gmem)
+    for lits, (c, m) in red.gates.items():
+        scope = tuple(d for d, _ in lits)
+        shape = tuple(len(pos[d]) for d in scope)
+        gc, gmem = np.zeros(shape), np.zeros(shape)
+        at = tuple(pos[d][k] for d, k in lits)
+        gc[at], gmem[at] = c, m
+        add(scope, gc, gmem)
+    fixed = [(i, ks[0]) for i, ks in enumerate(red.allowed) if len(ks) == 1]
+    constants = (
+        math.fsum(red.cost[i][k] for i, k in fixed),
+        math.fsum(red.mem[i][k] for i, k in fixed),
+    )
+    return _Factors(cost, memory, {i: len(red.allowed[i]) for i in free}, constants)
+
+
+def _order(fs: _Factors) -> list[int] | None:
+    """A greedy elimination order: next the decision whose elimination adds the fewest
+    fill entries (pairs of neighbours not yet joined, weighted by their choices), then the
+    smallest bucket; None when a bucket would exceed `MAX_BUCKET` entries."""
+    sizes = fs.sizes
+    adj: dict[int, set[int]] = {i: set() for i in sizes}
+    for scope in fs.cost:
+        for a, b in itertools.combinations(scope, 2):
+            adj[a].add(b)
+            adj[b].add(a)
+
+    def bucket(i: int) -> int:
+        return math.prod(sizes[a] for a in adj[i]) * sizes[i]
+
+    def score(i: int) -> tuple[int, int, int]:
+        fill = sum(
+            sizes[a] * sizes[b] for a, b in itertools.combinations(adj[i], 2) if b not in adj[a]
+        )
+        return fill, bucket(i), i
+
+    order = []
+    while adj:
+        i = min(adj, key=score)
+        if bucket(i) > MAX_BUCKET:
+            return None
+        for a in adj[i]:
+            adj[a] |= adj[i] - {a}
+            adj[a].discard(i)
+        del adj[i]
+        order.append(i)
+    return order
+
+
+def _eliminate(factors: dict[Scope, np.ndarray], order: list[int], keep_buckets: bool):
+    """Each decision of `order` minimised out in turn. Returns (steps, buckets): a step is
+    (decision, its separator, the argmin table over the separator); a bucket (kept on
+    request) is (scope, separator, [(factor scope, values, the decision whose message it
+    is, or None)], their sum over scope). Steps is None when no assignment is allowed."""
+    pending = [(s, v, None) for s, v in factors.items()]
+    steps, buckets = [], {}
+    for i in order:
+        held = [f for f in pending if i in f[0]]
+        pending = [f for f in pending if i not in f[0]]
+        scope = tuple(sorted({d for s, _, _ in held for d in s}))
+        total = sum(_broadcast(v, s, scope) for s, v, _ in held)
+        axis = scope.index(i)
+        rest = scope[:axis] + scope[axis + 1 :]
+        steps.append((i, rest, np.argmin(total, axis=axis)))
+        message = np.min(total, axis=axis)
+        if keep_buckets:
+            buckets[i] = (scope, rest, held, total)
+        if not rest and not np.isfinite(message):
+            return None, buckets
+        pending.append((rest, message, i))
+    return steps, buckets
+
+
+def _back(steps) -> dict[int, int]:
+    """The argmin tables read from the last eliminated decision back to the first."""
+    pos: dict[int, int] = {}
+    for i, rest, argmin in reversed(steps):
+        pos[i] = int(argmin[tuple(pos[d] for d in rest)])
+    return pos
+
+
+def _outside(buckets: dict, order: list[int], sizes: dict[int, int]) -> dict[int, np.ndarray]:
+    """Per decision, over its separator: the least of every factor outside its subtree
+    (the downward pass; a root's outside is the other components' least)."""
+    parent = {child: x for x in order for _, _, child in buckets[x][2] if child is not None}
+    roots = {x: float(np.min(buckets[x][3])) for x in order if x not in parent}
+    everything = math.fsum(roots.values())
+    out: dict[int, np.ndarray] = {}
+    for x in reversed(order):
+        rest = buckets[x][1]
+        if x in roots:
+            out[x] = np.array(everything - roots[x])
+            continue
+        scope, prest, held, _ = buckets[parent[x]]
+        acc = sum(_broadcast(v, s, scope) for s, v, child in held if child != x)
+        acc = acc + _broadcast(out[parent[x]], prest, scope)
+        acc = np.broadcast_to(acc, [sizes[d] for d in scope])
+        axes = tuple(a for a, d in enumerate(scope) if d not in rest)
+        least = np.min(acc, axis=axes) if axes else acc
+        kept = [d for d in scope if d in rest]
+        out[x] = np.transpose(least, [kept.index(d) for d in rest])
+    return out
+
+
+def _broadcast(values: np.ndarray, scope: Scope, into: Scope) -> np.ndarray:
+    """`values` (axes `scope`) with unit axes for the decisions of `into` it lacks."""
+    shape = [1] * len(into)
+    for axis, d in zip(values.shape, scope, strict=True):
+        shape[into.index(d)] = axis
+    return np.reshape(values, shape)
