@@ -32,7 +32,7 @@ from bench_search import build_row  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar.search import elimination, ilp, workers  # noqa: E402
-from autopar.search.ilp_problem import IntraOpProblem, _reduce, evaluate  # noqa: E402
+from autopar.search.ilp_problem import IntraOpProblem, _reduce  # noqa: E402
 from autopar.views.bench import write_rows_csv  # noqa: E402
 
 
@@ -63,8 +63,7 @@ def how_settled(problem: IntraOpProblem) -> str:
     """How the default settled it: "dp" (elimination proved the optimum), "dp+mip N/M"
     (the MIP solved N of M choices left after fixing), "mip" (elimination declined)."""
     red = _reduce(problem)
-    price = lambda choices: evaluate(problem, choices)  # noqa: E731
-    settled = elimination.settle(red, problem.memory_limit, price, ilp._REL_GAP)
+    settled = elimination.settle(problem, red, ilp._REL_GAP)
     if settled is None or (not settled.optimal and not settled.keep):
         return "mip"
     if settled.optimal:

@@ -378,7 +378,7 @@ def _settle(p: IntraOpProblem):
     from autopar.search import elimination
     from autopar.search.ilp import _REL_GAP, _reduce
 
-    return elimination.settle(_reduce(p), p.memory_limit, lambda c: evaluate(p, c), _REL_GAP)
+    return elimination.settle(p, _reduce(p), _REL_GAP)
 
 
 @pytest.mark.parametrize("seed", range(12))

@@ -318,9 +318,7 @@ def solve_intra_op(problem: IntraOpProblem, *, backend: str = "auto") -> IntraOp
         raise MemoryInfeasible(min_mem, problem.memory_limit)
     settled = None
     if backend == "auto":
-        settled = elimination.settle(
-            red, problem.memory_limit, lambda choices: evaluate(problem, choices), _REL_GAP
-        )
+        settled = elimination.settle(problem, red, _REL_GAP)
         if settled is not None and settled.optimal:
             return _solution(problem, settled.choices, "optimal", 0.0, t0)
     narrowed = problem if settled is None else _narrowed(problem, settled)
