@@ -24,7 +24,7 @@ elimination takes ~0.1-0.3 s of numpy, where HiGHS's LP relaxation of the same p
    variable fixing), and the MIP solves what is left (the best answer known is in it).
 
 Where one decision gates the blocks (the hub: a layer's lever), steps 1-3 run on each of
-its choices apart (`_restricted`), the bounds and answers taken over all of them.
+its choices apart (`_Factors.fixing`), the bounds and answers taken over all of them.
 
 Every term of the reduced problem (`ilp_problem._Reduced`) is a factor: a node's row, a
 pair's matrix (inf cost forbids a pair), a block's matrix on its gate's choice, a gate's
@@ -35,11 +35,11 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
-from autopar.search.ilp_problem import IntraOpProblem, _reduce, _Reduced, evaluate
+from autopar.search.ilp_problem import IntraOpProblem, _Reduced, evaluate
 
 MAX_BUCKET = 8_000_000  # entries of the largest bucket (a decision and its neighbours)
 _TIE_WEIGHT = 1e-9  # eps: a memory limit's worth of bytes costs this much of the cost above
@@ -72,6 +72,32 @@ class _Factors:
             return dict(self.cost)
         return {s: c + lam * self.memory[s] for s, c in self.cost.items()}
 
+    def fixing(self, i: int, pos: int) -> _Factors:
+        """These factors with decision `i` at its choice of position `pos`: each factor
+        holding it sliced there (one of no other decision joins the constants)."""
+        cost: dict[Scope, np.ndarray] = {}
+        memory: dict[Scope, np.ndarray] = {}
+        fixed = list(self.fixed)
+        for scope, c in self.cost.items():
+            m = self.memory[scope]
+            if i in scope:
+                axis = scope.index(i)
+                scope = scope[:axis] + scope[axis + 1 :]
+                c, m = c.take(pos, axis=axis), m.take(pos, axis=axis)
+            if not scope:
+                fixed[0] += float(c)
+                fixed[1] += float(m)
+            elif scope in cost:
+                cost[scope], memory[scope] = cost[scope] + c, memory[scope] + m
+            else:
+                cost[scope], memory[scope] = c, m
+        sizes = {d: k for d, k in self.sizes.items() if d != i}
+        return _Factors(cost, memory, sizes, (fixed[0], fixed[1]))
+
+    def least_memory(self) -> float:
+        """A lower bound on the memory of any assignment."""
+        return self.fixed[1] + math.fsum(float(np.min(m)) for m in self.memory.values())
+
 
 @dataclass(slots=True)
 class _Branch:
@@ -79,9 +105,9 @@ class _Branch:
     `bound` <= its optimum <= the cost of `best` (cost, memory, choices; None: no fitting
     answer found); `lam` the multiplier of `bound`."""
 
-    red: _Reduced
     fs: _Factors
     order: list[int]
+    pinned: dict[int, int]  # free decisions fixed in this branch -> their position
     floor: float  # the least of every factor: no assignment costs less
     lam: float = 0.0
     bound: float = -math.inf
@@ -96,10 +122,16 @@ def settle(p: IntraOpProblem, red: _Reduced, rel_gap: float) -> Settled | None:
     the optimum whole, 5e-6 by branches, most of which fit nothing). None when a bucket
     would exceed `MAX_BUCKET` entries."""
     hub = _hub(red)
+    whole = _factors(red)
     if hub is None:
-        branches = [_bounded(p, red, rel_gap)]
-    else:
-        branches = [_bounded(p, r, rel_gap) for r in _restricted(p, red, hub)]
+        branches = [_bounded(p, red, whole, {}, rel_gap)]
+    else:  # the branches whose least memory may fit
+        fixed = [(n, whole.fixing(hub, n)) for n in range(whole.sizes[hub])]
+        branches = [
+            _bounded(p, red, fs, {hub: n}, rel_gap)
+            for n, fs in fixed
+            if fs.least_memory() <= p.memory_limit
+        ]
     if any(b is None for b in branches):
         return None
     fitting = [b for b in branches if b.best is not None]
@@ -115,10 +147,9 @@ def settle(p: IntraOpProblem, red: _Reduced, rel_gap: float) -> Settled | None:
         if b.bound > upper:
             continue  # nothing in it beats the best answer
         kept = _keep(b.fs, b.order, b.lam, p.memory_limit, upper)
-        for i, ks in enumerate(b.red.allowed):
-            if not red.fixed(i):
-                mine = [ks[n] for n in kept[i]] if i in kept else ks
-                keep.setdefault(i, set()).update(mine)
+        kept.update({i: [n] for i, n in b.pinned.items()})
+        for i, ns in kept.items():
+            keep.setdefault(i, set()).update(red.allowed[i][n] for n in ns)
     return Settled(best[2], False, {i: sorted(ks) for i, ks in keep.items()})
 
 
@@ -131,37 +162,23 @@ def _hub(red: _Reduced) -> int | None:
     return max(hubs, key=lambda w: (gates[w], -w)) if hubs else None
 
 
-def _restricted(p: IntraOpProblem, red: _Reduced, hub: int) -> list[_Reduced]:
-    """`p` reduced with `hub` at each of its allowed choices in turn, those whose least
-    memory fits the limit."""
-    out = []
-    for c in red.allowed[hub]:
-        cost = list(p.node_cost)
-        cost[hub] = tuple(x if k == c else math.inf for k, x in enumerate(cost[hub]))
-        try:
-            r = _reduce(replace(p, node_cost=tuple(cost)))
-        except ValueError:  # every choice of some decision forbidden
-            continue
-        if r.min_memory() <= p.memory_limit:
-            out.append(r)
-    return out
-
-
-def _bounded(p: IntraOpProblem, red: _Reduced, rel_gap: float) -> _Branch | None:
-    """Steps 1-2 of the module docstring on one branch (None: a bucket too large)."""
-    fs = _factors(red)
+def _bounded(
+    p: IntraOpProblem, red: _Reduced, fs: _Factors, pinned: dict[int, int], rel_gap: float
+) -> _Branch | None:
+    """Steps 1-2 of the module docstring on one branch: `fs`, the factors with the free
+    decisions of `pinned` fixed at those positions (None: a bucket too large)."""
     order = _order(fs)
     if order is None:
         return None
     limit = p.memory_limit
     floor = fs.fixed[0] + math.fsum(float(np.min(c)) for c in fs.cost.values())
-    branch = _Branch(red, fs, order, floor)
+    branch = _Branch(fs, order, pinned, floor)
 
     def run(lam: float):
-        steps, _ = _eliminate(fs.at(lam), order, keep_buckets=False)
+        steps, _ = _eliminate(fs.at(lam), fs.sizes, order, keep_buckets=False)
         if steps is None:
             return None
-        choices = _choices(red, _back(steps))
+        choices = _choices(red, {**_back(steps), **pinned})
         return (*evaluate(p, choices), choices)
 
     first = run(0.0)
@@ -233,7 +250,7 @@ def _keep(
 ) -> dict[int, list[int]]:
     """Per free decision, the positions of the choices whose Lagrangian min-marginal less
     lam * limit is at most `upper`."""
-    _, buckets = _eliminate(fs.at(lam), order, keep_buckets=True)
+    _, buckets = _eliminate(fs.at(lam), fs.sizes, order, keep_buckets=True)
     outside = _outside(buckets, order, fs.sizes)
     constant = fs.fixed[0] + lam * fs.fixed[1]
     keep: dict[int, list[int]] = {}
@@ -320,7 +337,9 @@ def _order(fs: _Factors) -> list[int] | None:
     return order
 
 
-def _eliminate(factors: dict[Scope, np.ndarray], order: list[int], keep_buckets: bool):
+def _eliminate(
+    factors: dict[Scope, np.ndarray], sizes: dict[int, int], order: list[int], keep_buckets: bool
+):
     """Each decision of `order` minimised out in turn. Returns (steps, buckets): a step is
     (decision, its separator, the argmin table over the separator); a bucket (kept on
     request) is (scope, separator, [(factor scope, values, the decision whose message it
@@ -331,11 +350,14 @@ def _eliminate(factors: dict[Scope, np.ndarray], order: list[int], keep_buckets:
         held = [f for f in pending if i in f[0]]
         pending = [f for f in pending if i not in f[0]]
         scope = tuple(sorted({d for s, _, _ in held for d in s}))
-        total = sum(_broadcast(v, s, scope) for s, v, _ in held)
+        total = np.zeros([sizes[d] for d in scope])
+        for s, v, _ in held:  # summed in place: a bucket is up to MAX_BUCKET entries
+            total += _broadcast(v, s, scope)
         axis = scope.index(i)
         rest = scope[:axis] + scope[axis + 1 :]
-        steps.append((i, rest, np.argmin(total, axis=axis)))
-        message = np.min(total, axis=axis)
+        best = np.expand_dims(np.argmin(total, axis=axis), axis)
+        steps.append((i, rest, best.squeeze(axis)))
+        message = np.take_along_axis(total, best, axis).squeeze(axis)
         if keep_buckets:
             buckets[i] = (scope, rest, held, total)
         if not rest and not np.isfinite(message):
