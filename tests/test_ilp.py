@@ -431,13 +431,15 @@ def test_elimination_breaks_a_tie_towards_the_assignment_that_fits() -> None:
     assert settled is not None and settled.optimal and settled.choices[0] == 1
 
 
-def test_elimination_gives_way_to_the_mip_past_its_largest_bucket(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("cap", ["MAX_BUCKET", "MAX_BUCKETS"])
+def test_elimination_gives_way_to_the_mip_past_its_bucket_caps(
+    cap: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A bucket over `MAX_BUCKET` entries: `settle` declines, the MIP solves."""
+    """A bucket over `MAX_BUCKET` entries, or all over `MAX_BUCKETS`: `settle` declines,
+    the MIP solves."""
     from autopar.search import elimination
 
-    monkeypatch.setattr(elimination, "MAX_BUCKET", 3)
+    monkeypatch.setattr(elimination, cap, 3)
     p = _random_problem(0)
     assert _settle(p) is None
     best, _ = _brute_force(p)

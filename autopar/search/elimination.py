@@ -42,6 +42,7 @@ import numpy as np
 from autopar.search.ilp_problem import IntraOpProblem, _Reduced, evaluate
 
 MAX_BUCKET = 8_000_000  # entries of the largest bucket (a decision and its neighbours)
+MAX_BUCKETS = 32_000_000  # entries of all buckets together (what variable fixing keeps)
 _TIE_WEIGHT = 1e-9  # eps: a memory limit's worth of bytes costs this much of the cost above
 # its floor (the least of every factor), so ties break towards less memory
 _WALK_STEPS = 12  # elimination passes of the cutting-plane walk at most
@@ -119,8 +120,8 @@ def settle(p: IntraOpProblem, red: _Reduced, rel_gap: float) -> Settled | None:
     layer's lever) gates the blocks' three-way terms, each of its choices is a branch of
     its own: fixing it turns the gated terms into plain ones and, as it moves much of the
     memory, makes each branch's Lagrangian bound far tighter (a GPT-3 stage ILP: 15% under
-    the optimum whole, 5e-6 by branches, most of which fit nothing). None when a bucket
-    would exceed `MAX_BUCKET` entries."""
+    the optimum whole, 5e-6 by branches, most of which fit nothing). None when a branch's
+    buckets are too large (`_order`)."""
     hub = _hub(red)
     whole = _factors(red)
     if hub is None:
@@ -139,7 +140,7 @@ def settle(p: IntraOpProblem, red: _Reduced, rel_gap: float) -> Settled | None:
         return Settled(None, False)
     best = min(fitting, key=lambda b: b.best[0]).best
     bound, floor = min(b.bound for b in branches), min(b.floor for b in branches)
-    if best[0] - bound <= rel_gap * (best[0] - floor) + 1e-13 * abs(best[0]):
+    if _proven(best[0], bound, floor, rel_gap):
         return Settled(best[2], True)
     upper = best[0] + 1e-9 * (best[0] - floor) + 1e-12 * abs(best[0])
     keep: dict[int, set[int]] = {}
@@ -151,6 +152,12 @@ def settle(p: IntraOpProblem, red: _Reduced, rel_gap: float) -> Settled | None:
         for i, ns in kept.items():
             keep.setdefault(i, set()).update(red.allowed[i][n] for n in ns)
     return Settled(best[2], False, {i: sorted(ks) for i, ks in keep.items()})
+
+
+def _proven(cost: float, bound: float, floor: float, rel_gap: float) -> bool:
+    """`cost` within the MIP's gap of `bound`, relative to the cost above the floor (as
+    the MIP's objective is shifted, `ilp_model._set_objective`), plus rounding."""
+    return cost - bound <= rel_gap * (cost - floor) + 1e-13 * abs(cost)
 
 
 def _hub(red: _Reduced) -> int | None:
@@ -190,12 +197,11 @@ def _bounded(
         branch.best = first
         return branch
     tied = run(_TIE_WEIGHT * max(first[0] - floor, 1e-30) / max(abs(limit), 1.0))
-    if tied is not None and tied[1] <= limit:
-        slack = rel_gap * (tied[0] - floor) + 1e-13 * abs(tied[0])
-        if tied[0] - first[0] <= slack:
-            branch.best = tied
-            return branch
-    branch.lam, branch.bound, branch.best = _walk(run, limit, first)
+    fits = tied if tied is not None and tied[1] <= limit else None
+    if fits is not None and _proven(tied[0], first[0], floor, rel_gap):
+        branch.best = tied
+        return branch
+    branch.lam, branch.bound, branch.best = _walk(run, limit, first, fits)
     return branch
 
 
@@ -206,12 +212,12 @@ def _choices(red: _Reduced, pos: dict[int, int]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _walk(run, limit: float, first):
+def _walk(run, limit: float, first, best=None):
     """The cutting-plane walk over lam from `first` (lam = 0, not fitting): lam grows
     10x until an assignment fits, then each next lam is where the lines of the last
     fitting and the last unfitting answers cross. Returns (best lam, its bound, the best
-    fitting (cost, memory, choices) or None)."""
-    lo, lam, best = first, max(abs(first[0]), 1e-30) / max(first[1], 1.0) * 1e-3, None
+    fitting (cost, memory, choices), `best` if none beats it, or None)."""
+    lo, lam = first, max(abs(first[0]), 1e-30) / max(first[1], 1.0) * 1e-3
     best_lam, best_bound, steps = 0.0, first[0], 0  # L(0): the least cost
     hi = None
     while steps < _WALK_STEPS:
@@ -307,7 +313,8 @@ def _factors(red: _Reduced) -> _Factors:
 def _order(fs: _Factors) -> list[int] | None:
     """A greedy elimination order: next the decision whose elimination adds the fewest
     fill entries (pairs of neighbours not yet joined, weighted by their choices), then the
-    smallest bucket; None when a bucket would exceed `MAX_BUCKET` entries."""
+    smallest bucket; None when a bucket would exceed `MAX_BUCKET` entries or all of them
+    `MAX_BUCKETS` (an elimination's time; the memory `_keep` holds)."""
     sizes = fs.sizes
     adj: dict[int, set[int]] = {i: set() for i in sizes}
     for scope in fs.cost:
@@ -324,10 +331,11 @@ def _order(fs: _Factors) -> list[int] | None:
         )
         return fill, bucket(i), i
 
-    order = []
+    order, total = [], 0
     while adj:
         i = min(adj, key=score)
-        if bucket(i) > MAX_BUCKET:
+        total += bucket(i)
+        if bucket(i) > MAX_BUCKET or total > MAX_BUCKETS:
             return None
         for a in adj[i]:
             adj[a] |= adj[i] - {a}
