@@ -445,3 +445,34 @@ def test_elimination_gives_way_to_the_mip_past_its_bucket_caps(
     best, _ = _brute_force(p)
     if math.isfinite(best):
         assert solve_intra_op(p).objective == pytest.approx(best, rel=1e-6)
+
+
+def test_a_narrowed_mip_out_of_time_returns_the_answer_elimination_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The MIP over what elimination left finds nothing in its time: the fitting answer
+    elimination handed over is returned, as "feasible" (not a SolverTimeout)."""
+    from types import SimpleNamespace
+
+    from autopar.search import ilp
+
+    p = _lever_problem(0)
+    settled = _settle(p)
+    assert settled is not None and not settled.optimal and settled.choices is not None
+    real = ilp._solve_model
+
+    def out_of_time(*args, **kw):
+        mdl, red, _ = real(*args, **kw)
+        bounds = SimpleNamespace(dual_bound=-math.inf)
+        termination = SimpleNamespace(reason=ilp._TR.NO_SOLUTION_FOUND, objective_bounds=bounds)
+        return (
+            mdl,
+            red,
+            SimpleNamespace(termination=termination, has_primal_feasible_solution=lambda: False),
+        )
+
+    monkeypatch.setattr(ilp, "_solve_model", out_of_time)
+    sol = solve_intra_op(p)
+    assert sol.choices == settled.choices and sol.status == "feasible"
+    assert (sol.objective, sol.memory) == evaluate(p, settled.choices)
+    assert sol.memory <= p.memory_limit and sol.objective >= _brute_force(p)[0]

@@ -325,18 +325,19 @@ def solve_intra_op(problem: IntraOpProblem, *, backend: str = "auto") -> IntraOp
     mdl, solved, result = _solve_model(
         narrowed, backend, reduced=red if narrowed is problem else None
     )
-    if not result.has_primal_feasible_solution():
+    # the fitting answer elimination handed over first: kept where the MIP's is no better
+    # (within its gap) or where the MIP found none in its time
+    answers = [settled.choices] if settled is not None and settled.choices is not None else []
+    if result.has_primal_feasible_solution():
+        answers.append(_choices(mdl, solved, result))
+    if not answers:
         if result.termination.reason in _PROVEN_INFEASIBLE:
             raise _diagnose(red, problem, backend)
         raise SolverTimeout(f"no solution in {problem.time_limit_s} s: {result.termination}")
-    choices = _choices(mdl, solved, result)
-    objective, _ = evaluate(problem, choices)
-    if settled is not None and settled.choices is not None:
-        known, _ = evaluate(problem, settled.choices)
-        if known <= objective:  # the MIP's answer within its gap of the one it was handed
-            choices, objective = settled.choices, known
+    choices = min(answers, key=lambda c: evaluate(problem, c)[0])  # ties: the first
     status = "optimal" if result.termination.reason == _TR.OPTIMAL else "feasible"
-    return _solution(problem, choices, status, _gap(mdl, result, objective), t0)
+    gap = _gap(mdl, result, evaluate(problem, choices)[0])
+    return _solution(problem, choices, status, gap, t0)
 
 
 def _solution(p: IntraOpProblem, choices, status: str, gap: float, t0: float) -> IntraOpSolution:
