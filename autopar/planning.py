@@ -205,7 +205,7 @@ def prepare(
         job.solve_template_first(tpl)
     source = (tpl or given) if solve_first else None
     with phase("capture"):
-        captured = source and source.whole_model(model, batch, loss_fn)
+        captured = source and source.whole_model(model, batch, loss_fn, confirm_later=True)
         captured = captured or capture(model, batch, loss_fn)
         regions = job.fuse(captured)
     if job.pipeline is not None:
@@ -386,10 +386,18 @@ def plan_model(
         given=template,
     )
     tpl = template or tpl
-    with fake_group(job.cluster.world_size):
+    with fake_group(job.cluster.world_size), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         # only shapes are read: a mesh without process groups serves any device's plan
         mesh = shape_only_mesh("cpu", job.cluster.mesh_shape, job.cluster.axis_names)
-        return job.search(captured, mesh, regions, tpl)
+        plan = job.search(captured, mesh, regions, tpl)
+    if captured.from_template:
+        with phase("capture"):  # the three-block check, run beside the plan (`whole_model`)
+            if not tpl.confirmed():  # the built graph is not the model's: planned on its trace
+                return plan_model(model, batch, cluster, loss_fn, options, tpl)
+    for w in caught:  # the plan's own, once it is the one given out
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return plan
 
 
 @collector_paused()

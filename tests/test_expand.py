@@ -186,3 +186,24 @@ def test_a_plan_made_on_the_built_graph_names_the_traced_graph() -> None:
     assert plan.graph_fingerprint == traced.fingerprint
     names = {n.name: str(n.target) for n in traced.gm.graph.nodes}
     assert all(node.name in names for node in plan.nodes)
+
+
+@pytest.mark.parametrize("last_differs", [False, True], ids=["reads its depth", "last block"])
+def test_a_plan_is_confirmed_on_the_trace_when_the_template_does_not_show_the_model(
+    last_differs: bool,
+) -> None:
+    """`autopar.plan` plans on the built graph while the three-block check runs beside it
+    (`Template.whole_model(confirm_later=True)`); where the check finds the blocks do not
+    repeat, the plan given out is the one made on the model's trace, with its fingerprint."""
+    import autopar
+    from autopar.capture.template import BUILT
+
+    model = _Depth(8, last_differs)
+    batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    plan = autopar.plan(model, batch, cluster=Cluster.preset("cpu", mesh=(2,)), loss_fn=_loss)
+    assert plan.solver.get("graph") != BUILT
+    assert plan.graph_fingerprint == capture(model, batch, _loss).fingerprint
+    repeating = _Residual(8)
+    plan = autopar.plan(repeating, batch, cluster=Cluster.preset("cpu", mesh=(2,)), loss_fn=_loss)
+    assert plan.solver.get("graph") == BUILT
+    assert plan.graph_fingerprint == capture(repeating, batch, _loss).fingerprint

@@ -15,7 +15,9 @@ would trace differently: the final plan is made on the whole model's graph, whic
 `Template.whole_model` builds from the template's traced graph where it shows the
 iteration (`autopar.capture.expand`) and three blocks built are blocks 0, 1 and the last
 traced (one more trace of three blocks: a forward reading `len(self.layers)`, a last block
-unlike the others are traced instead), else the caller traces the whole model. A plan made
+unlike the others are traced instead; `autopar.plan` runs that trace in a forked process
+beside the final plan's own work, and plans on the trace where it disagrees), else the
+caller traces the whole model. A plan made
 on a built graph says so (`plan.solver["graph"] == BUILT`); `compile` traces, and names the
 cause where the fingerprints then differ (`DEPTH_HINT`).
 """
@@ -40,6 +42,7 @@ from autopar.capture.export import (
     layer_of,
     trace,
 )
+from autopar.forked import Forked
 
 TEMPLATE_BLOCKS = 2
 TEMPLATE_MIN_BLOCKS = 8  # below, a second capture costs more than the full graph's ILP saves
@@ -67,23 +70,47 @@ class Template:
     traced: Traced | None = field(default=None, repr=False, compare=False)
     stack_path: str = ""
     repeats: bool | None = field(default=None, repr=False, compare=False)
+    _check: _Check | None = field(default=None, repr=False, compare=False)
 
     def whole_model(
-        self, model: nn.Module, args: Sequence[torch.Tensor], loss_fn: Callable | None = None
+        self,
+        model: nn.Module,
+        args: Sequence[torch.Tensor],
+        loss_fn: Callable | None = None,
+        confirm_later: bool = False,
     ) -> Captured | None:
         """The graph `capture(model, args, loss_fn)` would trace, built from the template
         (`autopar.capture.expand`); None where the template cannot show it, where three
         blocks built are not three blocks traced (`_repeats`), or where the model, batch or
-        loss are not those it was captured with."""
+        loss are not those it was captured with. `confirm_later`: the three-block trace
+        runs in a forked process (`autopar.forked`) while the caller plans on the graph,
+        which it then confirms (`confirmed`) before it gives the plan out."""
         if self.traced is None or self.total_layers is None:
             return None
+        later = confirm_later and self.repeats is None
+        if later and self._check is None:
+            three = Forked.start(self._three_traced(model, args, loss_fn))
+            self._check = _Check(model, loss_fn, three)
         built = self._built(model, loss_fn, self.total_layers)
         if built is None or not _traces(built, model, args):
+            if self._check is not None:
+                self._check.traced.cancel()
+                self._check = None
             return None
-        if not self._repeats(model, args, loss_fn):
+        if not later and not (
+            self.confirmed() if self._check else self._repeats(model, args, loss_fn)
+        ):
             return None
         built.from_template = True
         return built
+
+    def confirmed(self) -> bool:
+        """Whether the graph `whole_model(..., confirm_later=True)` built is the model's
+        (the three-block check's answer, waited on)."""
+        if self._check is not None:
+            check, self._check = self._check, None
+            self.repeats = self._same(check.model, check.loss_fn, check.traced.result())
+        return self.repeats is True
 
     def _built(self, model: nn.Module, loss_fn: Callable | None, blocks: int) -> Captured | None:
         traced_path = f"model.{self.stack_path}" if loss_fn is not None else self.stack_path
@@ -99,20 +126,40 @@ class Template:
         template cannot tell (a forward that reads its depth, `aux / len(self.layers)`; a
         last block unlike the others). One trace of three blocks, once per template."""
         if self.repeats is None:
-            built = self._built(model, loss_fn, 3)
+            self.repeats = self._same(model, loss_fn, self._three_traced(model, args, loss_fn)())
+        return self.repeats
+
+    def _three_traced(self, model: nn.Module, args: Sequence, loss_fn: Callable | None):
+        """What `_same` compares of the model traced with blocks 0, 1 and its last: a
+        function giving its (fingerprint, node names), None where it does not trace so."""
+
+        def traced() -> tuple[str, list[str]] | None:
             try:
                 with truncated_blocks(model, self.stack_path, (0, 1, self.total_layers - 1)):
-                    traced = capture(model, args, loss_fn)
+                    found = capture(model, args, loss_fn)
             except CaptureError:  # not traceable so: the whole model is traced (and says why)
-                traced = None
-            self.repeats = (
-                built is not None
-                and traced is not None
-                and built.fingerprint == traced.fingerprint
-                and [n.name for n in built.gm.graph.nodes]
-                == [n.name for n in traced.gm.graph.nodes]
-            )
-        return self.repeats
+                return None
+            return found.fingerprint, [n.name for n in found.gm.graph.nodes]
+
+        return traced
+
+    def _same(self, model: nn.Module, loss_fn: Callable | None, traced) -> bool:
+        """Three blocks built are the three traced (`_three_traced`'s answer)."""
+        built = self._built(model, loss_fn, 3)
+        return (
+            built is not None
+            and traced is not None
+            and (built.fingerprint, [n.name for n in built.gm.graph.nodes]) == tuple(traced)
+        )
+
+
+@dataclass
+class _Check:
+    """The three-block check running beside the plan (`Template.whole_model`)."""
+
+    model: nn.Module
+    loss_fn: Callable | None
+    traced: Forked
 
 
 def block_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:

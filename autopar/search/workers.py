@@ -35,13 +35,13 @@ import math
 import multiprocessing
 import os
 import queue
-import sys
 import threading
 import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from autopar.forked import can_fork
 from autopar.search import ahead, progress
 
 # fewer degrees than this are priced on one process: forking and capturing the templates
@@ -77,17 +77,6 @@ def processes_for(degrees: int) -> int:
         return 1
     asked = os.environ.get(PROCESSES_ENV)
     return max(1, min(int(asked) if asked else ahead.cores(), degrees))
-
-
-def can_fork() -> bool:
-    """Forked processes behave: on Linux (macOS's system libraries do not survive a fork),
-    in a process that has not initialized CUDA (a forked child cannot use it) and may have
-    children (a multiprocessing pool's worker is daemonic: it may not)."""
-    import torch
-
-    forks = sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
-    daemonic = multiprocessing.current_process().daemon
-    return forks and not daemonic and not torch.cuda.is_initialized()
 
 
 @dataclass
