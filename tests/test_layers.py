@@ -35,6 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autopar.hardware",
         "autopar.devices",
         "autopar.options",
+        "autopar.forked",
         "autopar.kernels",
     ),
     ("autopar.capture",),

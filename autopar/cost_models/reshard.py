@@ -1,7 +1,8 @@
 """The price of one redistribution between two specs, as lowering runs it.
 
 `reshard_seconds(cluster, src, dst, shape, itemsize)`, `reshard_parts(...)` (its
-collectives) and `same_spec(src, dst)` (nothing moves). Memoized over (cluster, specs,
+collectives), `rearrange_seconds(...)` (its local copies, `cost_models.rearrange`) and
+`same_spec(src, dst)` (nothing moves). Memoized over (cluster, specs,
 shape, item size): a model's ops ask for the same few moves again and again.
 """
 
@@ -14,6 +15,8 @@ from torch.distributed.tensor import Partial
 
 from autopar.cluster import Cluster
 from autopar.cost_models import comm
+from autopar.cost_models.compute import compute_time
+from autopar.cost_models.rearrange import rearranged_bytes, source_shape, source_spec
 
 
 def same_spec(src, dst) -> bool:
@@ -23,9 +26,12 @@ def same_spec(src, dst) -> bool:
 
 
 @lru_cache(maxsize=200_000)
-def reshard_seconds(cluster: Cluster, src, dst, shape, itemsize, into_partial=False) -> float:
+def reshard_seconds(
+    cluster: Cluster, src, dst, shape, itemsize, into_partial=False, via=None
+) -> float:
     """Seconds of moving a value of `shape` from spec `src` to `dst` as lowering does
-    (`comm.redistribute_time`, plus one link latency per collective for its launch); inf
+    (`comm.redistribute_time`, plus one link latency per collective for its launch, plus
+    the local copies around them, `rearrange_seconds`); inf
     where lowering cannot (a re-split strided shard; into a Partial, but from Replicate
     where `into_partial`: see `_kept_partial`)."""
     src = _kept_partial(src, dst, into_partial)
@@ -38,7 +44,29 @@ def reshard_seconds(cluster: Cluster, src, dst, shape, itemsize, into_partial=Fa
         return math.inf  # a transition DTensor cannot perform (a re-split strided shard)
     seconds = sum(comm.collective_time(kind, nbytes, axis, cluster) for axis, kind, nbytes in parts)
     launches = sum(launch(kind, axis, cluster) for axis, kind, _ in parts)
-    return seconds + launches
+    return seconds + launches + _copies(cluster, src, dst, shape, itemsize, via)
+
+
+@lru_cache(maxsize=200_000)
+def rearrange_seconds(
+    cluster: Cluster, src, dst, shape, itemsize, into_partial=False, via=None
+) -> float:
+    """Seconds of the local copies of the move (`rearrange`: DTensor's layout around its
+    collectives on dims other than 0, its local chunks), included in `reshard_seconds`;
+    0 where it moves nothing or cannot. `via`: the permutation of a transposed value that
+    lowering moves as its source (`rearrange.through_source`), whose copies are the
+    source's (the collectives are the same)."""
+    src = _kept_partial(src, dst, into_partial)
+    if src is None or same_spec(src, dst):
+        return 0.0
+    return _copies(cluster, src, dst, shape, itemsize, via)
+
+
+def _copies(cluster: Cluster, src, dst, shape, itemsize, via=None) -> float:
+    if via is not None:
+        src, dst, shape = source_spec(src, via), source_spec(dst, via), source_shape(shape, via)
+    moved = rearranged_bytes(src, dst, shape, itemsize, cluster.mesh_shape, cluster.backend)
+    return sum(compute_time(0.0, 2.0 * b, "float32", cluster, op="memory") for b in moved)
 
 
 @lru_cache(maxsize=4096)

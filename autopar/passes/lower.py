@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 
 from autopar._compat import (
     cached_sharding_propagation,
@@ -45,6 +45,7 @@ from autopar._compat import (
 )
 from autopar.capture import Captured
 from autopar.capture.export import layer_of
+from autopar.cost_models.rearrange import through_source, transposed_dims
 from autopar.passes.comm import CommOptions, optimize_comm, options_of
 from autopar.passes.precision import ParamBoundary
 from autopar.passes.recompute import backward_phase, recompute_activations, tag_layer
@@ -176,41 +177,21 @@ VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 def permutation(n: fx.Node, args) -> list[int] | None:
     """Output dim i = input dim `dims[i]` of a transposing node (None for any other)."""
-    if n.target is torch.ops.aten.permute.default:
-        return [d % len(args[1]) for d in args[1]]
-    if n.target is torch.ops.aten.t.default and args[0].ndim == 2:
-        return [1, 0]
-    if n.target is torch.ops.aten.transpose.int:
-        ndim = args[0].ndim
-        a, b = args[1] % ndim, args[2] % ndim
-        dims = list(range(ndim))
-        dims[a], dims[b] = b, a
-        return dims
-    return None
+    ndim = args[0].ndim if args and isinstance(args[0], torch.Tensor) else 0
+    return transposed_dims(n.target, args, ndim)
 
 
 def _gathered_then_permuted(source: DTensor, value: DTensor, dims: list[int], want):
     """`value` (= `source` permuted by `dims`) redistributed to `want` as `source`
-    gathered, then permuted; None where that gains nothing or is not done (below). DTensor gathers a shard of an
-    inner dim into a contiguous copy of it, then cuts and re-joins the result along that
-    dim (and its backward the same around the reduce-scatter); a Linear's `t(weight)` under
-    FSDP is split on dim 1 where the weight is split on dim 0: gathered as the weight, its
-    shard is read in place, the result needs no re-join, and the gradient reaches the
-    weight contiguous. The same collectives of the same bytes: priced alike."""
-    moves = [(p, w) for p, w in zip(value.placements, want, strict=True) if p != w]
-    inner = all(
-        type(p) is Shard and p.dim != 0 and dims[p.dim] == 0 and w == Replicate() for p, w in moves
-    )
-    # only the gathered axes split the source: where another axis splits it too (FSDP x
-    # TP's weights) DTensor's program around it was seen to corrupt gloo's heap
-    # (llama small fsdp x tp on 4 gloo ranks, 2 runs of 5), so those keep DTensor's way
-    placed = source.placements
-    alone = all(p == Replicate() or w == Replicate() for p, w in zip(placed, want, strict=True))
-    plain = all(type(p) in (Shard, Replicate) for p in placed)
-    split = [p.dim for p in placed if type(p) is Shard]
-    if not (moves and inner and alone and plain) or len(set(split)) != len(split):
-        return None  # (nested splits of one dim: DTensor orders them, strided shards)
-    mapped = tuple(Shard(dims[p.dim]) if type(p) is Shard else p for p in want)
+    gathered, then permuted, where that spares DTensor's copies
+    (`cost_models.rearrange.through_source`: a gather of an inner dim cuts and re-joins
+    the result along that dim, its backward the same around the reduce-scatter; a
+    Linear's `t(weight)` under FSDP, split on dim 1 where the weight is split on dim 0,
+    gathered as the weight is read in place); None where the value is moved itself. The
+    same collectives of the same bytes: priced alike, the copies priced as they run."""
+    mapped = through_source(value.placements, want, dims, source.placements)
+    if mapped is None:
+        return None
     return torch.ops.aten.permute.default(source.redistribute(source.device_mesh, mapped), dims)
 
 

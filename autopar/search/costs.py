@@ -60,11 +60,12 @@ from autopar.capture.export import layer_of
 from autopar.capture.operands import Operand, tensor_operands
 from autopar.cluster import Cluster
 from autopar.cost_models import comm, compute, memory, optimizer
-from autopar.cost_models.reshard import reshard_parts, reshard_seconds, same_spec
+from autopar.cost_models.reshard import reshard_seconds, same_spec
 from autopar.cost_models.ring import ring_attention_time, ring_forward_time
 from autopar.passes.strategies import NodeStrategy, Spec
 from autopar.passes.strategies.rules import attention, random_ops, regions
-from autopar.search.edge_matrices import EdgeMatrices, EdgeValue, enters_partial
+from autopar.search.edge_collectives import EdgeCollectives
+from autopar.search.edge_matrices import EdgeMatrices, EdgeValue
 
 aten = torch.ops.aten
 
@@ -106,7 +107,7 @@ class CostWeights:
         return self.layer.get(layer, 1.0) if layer is not None else 1.0
 
 
-class CostContext(EdgeMatrices):
+class CostContext(EdgeMatrices, EdgeCollectives):
     def __init__(
         self,
         cluster: Cluster,
@@ -379,13 +380,29 @@ class CostContext(EdgeMatrices):
             return 0.0, 0.0
         # by identity (placements hash in Python); `_alive` holds every object keyed by
         # its id, so no id is reused while the memo lives
-        key = (id(s), pos, id(src), edge.shape, edge.dtype, edge.memo_weight, edge.into_partial)
+        key = (
+            id(s),
+            pos,
+            id(src),
+            edge.shape,
+            edge.dtype,
+            edge.memo_weight,
+            edge.into_partial,
+            edge.transposed,
+        )
         found = self._parts.get(key)
         if found is None:  # by content: the same specs of another node (a repeated block's)
             self._alive[id(s)], self._alive[id(src)] = s, src
             grad = self._grad_spec_at_consumer(dst, s)  # all `_edge_parts` reads of `s`
             specs = (self._spec_number(src), self._spec_number(dst), self._spec_number(grad))
-            content = (*specs, edge.dims, edge.itemsize, edge.memo_weight, edge.into_partial)
+            content = (
+                *specs,
+                edge.dims,
+                edge.itemsize,
+                edge.memo_weight,
+                edge.into_partial,
+                edge.transposed,
+            )
             found = self._priced.get(content)
             if found is None:
                 found = self._priced[content] = self._edge_parts(edge, specs, src, dst, grad)
@@ -402,10 +419,13 @@ class CostContext(EdgeMatrices):
             # a weight's gradient not reduced by a forward gather's backward reaches the
             # parameter partial and is reduced there, in reduce_dtype (`passes.precision`)
             grad_size = self.reduce_itemsize
+        via = edge.through_source(src, dst)  # a transposed value moved as its source
         fwd = self._redistribute(
-            (n_src, n_dst, edge.dims, size, edge.into_partial), src, dst, edge.into_partial
+            (n_src, n_dst, edge.dims, size, edge.into_partial, via), src, dst, edge.into_partial
         )
-        bwd = self._redistribute((n_grad, n_grad_src, edge.dims, grad_size), grad, grad_src)
+        bwd = self._redistribute(
+            (n_grad, n_grad_src, edge.dims, grad_size, False, via), grad, grad_src
+        )
         return fwd, bwd
 
     def _numbered_grad_source(self, number: int, src) -> tuple[int, tuple]:
@@ -420,57 +440,6 @@ class CostContext(EdgeMatrices):
         if (found := self._grad_srcs.get(src)) is None:  # by content: `src` is a fresh tuple
             found = self._grad_srcs[src] = tuple(Replicate() if p.is_partial() else p for p in src)
         return found
-
-    def weight_gathers(self, op: Operand, src, v: fx.Node, s: NodeStrategy, pos: int):
-        """``(key, kind, axis, bytes)`` per collective of the forward reshard of the weight
-        `op` reads (empty for an activation): what `passes.comm` fuses per layer."""
-        dst = s.inputs[pos] if pos < len(s.inputs) else None
-        val = op.tensor
-        if src is None or dst is None or val is None or not self.is_weight(op.producer):
-            return []
-        size, shape = val.element_size(), tuple(val.shape)
-        into = enters_partial(v, pos)
-        parts = reshard_parts(self.cluster, tuple(src), tuple(dst), shape, size, into) or ()
-        return [((kind, axis, size), kind, axis, b) for axis, kind, b in parts]
-
-    def grad_reductions(self, op: Operand, src, v: fx.Node, s: NodeStrategy, pos: int):
-        """``(key, kind, axis, bytes)`` per collective reducing the gradient of the weight
-        `op` reads (empty for an activation): what `cost_models.buckets` buckets, keyed by
-        (kind, axis, dtype size) as the pass keys (group, reduce op, dtype)."""
-        if not self.is_weight(op.producer):
-            return []
-        size = op.tensor.element_size() if op.tensor is not None else 0
-        dst = s.inputs[pos] if pos < len(s.inputs) else None
-        if self.reduce_itemsize and src is not None and dst is not None and same_spec(src, dst):
-            size = self.reduce_itemsize
-        parts = self._grad_parts(op, src, s, pos, size)
-        return [((kind, axis, size), kind, axis, b) for axis, kind, b in parts]
-
-    def activation_grad_all_reduces(
-        self, op: Operand, src, v: fx.Node, s: NodeStrategy, pos: int
-    ) -> float:
-        """Seconds of the all-reduces in the gradient reshard of the activation `op` reads
-        (from spec `src`) as input `pos` of `v` running `s` (0 for a weight): what
-        `passes.comm` issues as soon as `v`'s backward computes that gradient."""
-        if self.is_weight(op.producer) or op.tensor is None:
-            return 0.0
-        return sum(
-            comm.collective_time(kind, nbytes, axis, self.cluster)
-            for axis, kind, nbytes in self._grad_parts(op, src, s, pos, op.tensor.element_size())
-            if comm.Collective(kind) is comm.Collective.ALL_REDUCE
-        )
-
-    def _grad_parts(self, op: Operand, src, s: NodeStrategy, pos: int, size: int) -> tuple:
-        """(axis, collective, bytes) per step of moving the gradient of the value `op` reads
-        (spec `src`) as input `pos` of a node running `s` back into the producer's spec, in
-        elements of `size` bytes (() where nothing moves or there is no tensor)."""
-        dst = s.inputs[pos] if pos < len(s.inputs) else None
-        val = op.tensor
-        if src is None or dst is None or val is None:
-            return ()
-        grad_dst = self._grad_spec_at_consumer(dst, s)
-        grad_src = self._grad_source(tuple(src))
-        return reshard_parts(self.cluster, grad_dst, grad_src, tuple(val.shape), size) or ()
 
     def _grad_spec_at_consumer(self, dst, s: NodeStrategy):
         key = (id(s), id(dst))  # dst is one of s.inputs: alive while s is
@@ -496,12 +465,12 @@ class CostContext(EdgeMatrices):
 
     def _redistribute(self, key: tuple, src, dst, into_partial: bool = False) -> float:
         """`reshard_seconds`, memoized by `key`: (source and destination spec numbers,
-        shape, item size[, into a Partial])."""
+        shape, item size, into a Partial, the transpose of a value moved as its source)."""
         found = self._redistributed.get(key)
         if found is None:
-            _, _, shape, itemsize, *_ = key
+            _, _, shape, itemsize, _, via = key
             found = self._redistributed[key] = reshard_seconds(
-                self.cluster, tuple(src), tuple(dst), shape, itemsize, into_partial
+                self.cluster, tuple(src), tuple(dst), shape, itemsize, into_partial, via
             )
         return found
 

@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from autopar.capture.operands import Operand
+from autopar.cost_models.rearrange import through_source, transposed_dims
 from autopar.passes.strategies import NodeStrategy
 
 
@@ -31,6 +32,7 @@ class EdgeValue:
     weight: bool  # a parameter gradient (`CostContext.is_weight`)
     memo_weight: bool  # the gradient's size depends on `weight` (mixed precision)
     into_partial: bool  # a Linear's bias: may enter a Partial (`reshard._kept_partial`)
+    transposed: tuple[int, ...] | None = None  # the producer's permutation, if it transposes
 
     @staticmethod
     def of(ctx, op: Operand, val: torch.Tensor, v: fx.Node, pos: int) -> EdgeValue:
@@ -43,7 +45,26 @@ class EdgeValue:
             weight,
             bool(ctx.reduce_itemsize) and weight,
             weight and enters_partial(v, pos),
+            producer_transpose(op.producer),
         )
+
+    def through_source(self, src, dst) -> tuple[int, ...] | None:
+        """The permutation where lowering moves the value `src -> dst` as its source
+        (`rearrange.through_source`), else None."""
+        if self.transposed is None or src is None or dst is None:
+            return None
+        return self.transposed if through_source(src, dst, self.transposed) else None
+
+
+def producer_transpose(n: fx.Node) -> tuple[int, ...] | None:
+    """The permutation of a transposing node (`rearrange.transposed_dims`), else None."""
+    if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
+        return None
+    val = n.args[0].meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    dims = transposed_dims(n.target, n.args, val.ndim)
+    return tuple(dims) if dims is not None else None
 
 
 def enters_partial(v: fx.Node, pos: int) -> bool:
@@ -94,16 +115,39 @@ class EdgeMatrices:
                     kind,
                     tuple(self._spec_number(src) if src is not None else -1 for src in srcs),
                     tuple(self._consumer_numbers(s, pos) for s in ss),
-                    edge.dims, edge.itemsize, edge.weight, edge.into_partial,
+                    edge.dims, edge.itemsize, edge.weight, edge.into_partial, edge.transposed,
                 )  # fmt: skip
                 found = self._matrix_content.get(content)
-                if found is None and kind == "parts":
-                    found = [[self._parts_of(edge, src, s, pos) for s in ss] for src in srcs]
-                elif found is None:
-                    found = [[self.sync_weight(op, src, v, s, pos) for s in ss] for src in srcs]
+                if found is None:
+                    found = self._cells(kind, op, edge, srcs, v, ss, pos, *content[1:3])
                 self._matrix_content[content] = found
             self._matrices[key] = found
         return found
+
+    def _cells(self, kind, op, edge, srcs, v, ss, pos, src_numbers, consumer_numbers):
+        """The matrix, each distinct (source spec, consumer's specs) cell priced once: a
+        price reads nothing else of the pair (`_parts_of`'s content key), and a node's many
+        strategies want its input in a few specs (a Llama-3-8B template's matrices: 193k
+        cells, ~14k distinct)."""
+        rows: dict = {}
+        cols: dict = {}
+        for i, number in enumerate(src_numbers):
+            rows.setdefault(number, i)
+        for j, numbers in enumerate(consumer_numbers):
+            cols.setdefault(numbers, j)
+        if kind == "parts":
+            table = {
+                (a, b): self._parts_of(edge, srcs[i], ss[j], pos)
+                for a, i in rows.items()
+                for b, j in cols.items()
+            }
+        else:
+            table = {
+                (a, b): self.sync_weight(op, srcs[i], v, ss[j], pos)
+                for a, i in rows.items()
+                for b, j in cols.items()
+            }
+        return [[table[a, b] for b in consumer_numbers] for a in src_numbers]
 
     def _consumer_numbers(self, s: NodeStrategy, pos: int) -> tuple[int, int] | None:
         """What the prices of an edge read of its consumer's strategy `s`: the numbers of

@@ -234,8 +234,12 @@ def _add_node(part: Part, n, result: IntraOpResult) -> None:
             part.gather += fwd
             gathers = ctx.weight_gathers(op, src, n, s, pos)
             part.gathers += gathers
+            # laid out after the gather's wait, and the gradient before its reduction
+            copied, grad_copied = ctx.weight_copies(op, src, n, s, pos)
+            part.exposed += copied + grad_copied
             if result._gathered(n, op, fwd) and result.regathers(n):
                 part.regathers += gathers
+                part.exposed += copied
             part.grads += ctx.grad_reductions(op, src, n, s, pos)
         else:
             part.exposed += fwd + bwd + (fwd if full else 0.0)
