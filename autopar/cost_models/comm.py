@@ -189,7 +189,14 @@ def transition_kind(cur: Any, tgt: Any) -> Collective | None:
 def redistribute_plan(
     src: Sequence[Any], dst: Sequence[Any], mesh_shape: Sequence[int] | None
 ) -> list[tuple[int, tuple[Any, ...], Any, Any]]:
-    """DTensor's greedy step order: ``(axis, spec before the step, cur, tgt)`` per step."""
+    """DTensor's greedy step order: ``(axis, spec before the step, cur, tgt)`` per step
+    (memoized: a move's collectives and its copies read the same walk)."""
+    mesh = tuple(mesh_shape) if mesh_shape is not None else None
+    return list(_planned(tuple(src), tuple(dst), mesh))
+
+
+@lru_cache(maxsize=65_536)
+def _planned(src: tuple, dst: tuple, mesh_shape: tuple[int, ...] | None) -> tuple:
     if len(src) != len(dst):
         raise ValueError(f"src {tuple(src)} and dst {tuple(dst)} have different mesh ranks")
     if mesh_shape is not None and len(mesh_shape) != len(src):
@@ -216,7 +223,7 @@ def redistribute_plan(
             step(axis, to)
     for axis in range(len(cur)):
         step(axis, tgt[axis])
-    return steps
+    return tuple(steps)
 
 
 def strided_reachable(src: Sequence[Any], dst: Sequence[Any]) -> bool:

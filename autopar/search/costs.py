@@ -137,6 +137,7 @@ class CostContext(EdgeMatrices, EdgeCollectives):
         self._priced: dict[tuple, tuple[float, float]] = {}  # `edge_parts` by content
         self._redistributed: dict[tuple, float] = {}  # `_redistribute` memo
         self._grad_src_numbers: dict[int, tuple[int, tuple]] = {}
+        self._vias: dict[tuple, tuple | None] = {}  # `EdgeValue.through_source`, by numbers
         self._grad_specs: dict[tuple[int, int], tuple] = {}
         self._grad_srcs: dict[tuple, tuple] = {}  # `_grad_source` memo, by placements
         self._memories: dict[tuple[fx.Node, int], float] = {}
@@ -419,7 +420,11 @@ class CostContext(EdgeMatrices, EdgeCollectives):
             # a weight's gradient not reduced by a forward gather's backward reaches the
             # parameter partial and is reduced there, in reduce_dtype (`passes.precision`)
             grad_size = self.reduce_itemsize
-        via = edge.through_source(src, dst)  # a transposed value moved as its source
+        via = None  # or the permutation of a transposed value moved as its source
+        if edge.transposed is not None:
+            key = (n_src, n_dst, edge.transposed)
+            if (via := self._vias.get(key, ())) == ():
+                via = self._vias[key] = edge.through_source(src, dst)
         fwd = self._redistribute(
             (n_src, n_dst, edge.dims, size, edge.into_partial, via), src, dst, edge.into_partial
         )
