@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
+import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar._compat import StridedShard
@@ -130,8 +131,6 @@ def _copy_rules(src: tuple, dst: tuple, mesh_shape: tuple[int, ...]) -> tuple:
 def transposed_dims(target, args: Sequence, ndim: int) -> list[int] | None:
     """Output dim i = input dim `dims[i]` of a transposing op `target(*args)` on an input
     of `ndim` dims (None for any other op)."""
-    import torch
-
     aten = torch.ops.aten
     if target is aten.permute.default:
         return [d % len(args[1]) for d in args[1]]

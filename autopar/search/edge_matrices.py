@@ -136,17 +136,10 @@ class EdgeMatrices:
         for j, numbers in enumerate(consumer_numbers):
             cols.setdefault(numbers, j)
         if kind == "parts":
-            table = {
-                (a, b): self._parts_of(edge, srcs[i], ss[j], pos)
-                for a, i in rows.items()
-                for b, j in cols.items()
-            }
+            price = lambda i, j: self._parts_of(edge, srcs[i], ss[j], pos)  # noqa: E731
         else:
-            table = {
-                (a, b): self.sync_weight(op, srcs[i], v, ss[j], pos)
-                for a, i in rows.items()
-                for b, j in cols.items()
-            }
+            price = lambda i, j: self.sync_weight(op, srcs[i], v, ss[j], pos)  # noqa: E731
+        table = {(a, b): price(i, j) for a, i in rows.items() for b, j in cols.items()}
         return [[table[a, b] for b in consumer_numbers] for a in src_numbers]
 
     def _consumer_numbers(self, s: NodeStrategy, pos: int) -> tuple[int, int] | None:
