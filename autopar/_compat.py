@@ -125,6 +125,7 @@ __all__ = [
     "detect_fake_mode",
     "dispatch_with_local",
     "expand_to_full_mesh_op_strategy",
+    "implicit_redistributions",
     "is_collective_op",
     "is_mask_partial",
     "local_tensor",
@@ -287,6 +288,30 @@ def cached_sharding_propagation() -> Iterator[None]:
         _sharding_prop._are_we_tracing, _redistribute._are_we_tracing, utils.redistribute_cost = (
             saved
         )
+
+
+@contextlib.contextmanager
+def implicit_redistributions() -> Iterator[list[tuple[str, tuple[int, ...], tuple, tuple]]]:
+    """Within the context, each move over the network that DTensor's sharding propagation
+    chose for an op's input (one not asked for with `redistribute`) is recorded as (the op
+    with its arguments' specs, global shape, source placements, destination placements) in
+    the list the context gives. DTensor reports them to its private
+    `ExplicitRedistributionContext`; this wraps that report."""
+    from torch.distributed.tensor._ops.utils import redistribute_cost
+    from torch.distributed.tensor._utils import ExplicitRedistributionContext as Context
+
+    moves: list[tuple[str, tuple[int, ...], tuple, tuple]] = []
+    saved = Context.__dict__["observe_redistribution"]
+
+    def observe(cls, src, dst, message) -> None:
+        if redistribute_cost(src, dst) > 0:
+            moves.append((str(message), tuple(src.shape), src.placements, dst.placements))
+
+    Context.observe_redistribution = classmethod(observe)
+    try:
+        yield moves
+    finally:
+        Context.observe_redistribution = saved
 
 
 # ------------------------------------------------------------------ DTensor tensors

@@ -336,16 +336,16 @@ def test_zero_shards_are_bucketed_without_copies(fake_group) -> None:
     """ZeRO-1 dp: each replicated parameter's gradient is reduce-scattered into its flat
     shard (`passes.precision`); that shard is the collective's own result, kept as it is
     (no clone), and the reduce-scatters are bucketed like DDP's all-reduces. A member kept
-    as a copy would hold its bucket slice beside the copy (`passes.comm._copied`)."""
-    from autopar.passes.comm import REDUCE_SCATTER, _copied
+    only as a copy is bucketed apart (`passes.comm._sliced`): its slot would live on."""
+    from autopar.passes.comm import REDUCE_SCATTER, _sliced
 
     def scatters(gm) -> list:
         return [n for n in _starts(gm) if n.target is REDUCE_SCATTER and is_backward(n)]
 
     plain = scatters(_program("dp", OFF, zero=True))
     fused = scatters(_program("dp", CommOptions(), zero=True))
-    assert len(plain) >= 20 and not any(_copied(next(iter(n.users))) for n in plain)
-    assert 1 <= len(fused) <= 3 and not any(_copied(next(iter(n.users))) for n in fused)
+    assert len(plain) >= 20 and all(_sliced(next(iter(n.users))) for n in plain)
+    assert 1 <= len(fused) <= 3 and all(_sliced(next(iter(n.users))) for n in fused)
 
 
 def test_fsdp_gathers_each_weight_as_stored(fake_group) -> None:
@@ -370,8 +370,8 @@ def test_fsdp_gathers_each_weight_as_stored(fake_group) -> None:
 
 
 def test_a_reduction_read_by_its_next_step_is_bucketed(fake_group) -> None:
-    """FSDP x TP: a norm weight's gradient is reduce-scattered over dp, then all-reduced
-    over tp (the all-reduces bucketed). Each reduce-scatter is read by its all-reduce, not
+    """FSDP x SP (tp with sequence-parallel norms): a norm weight's gradient is
+    reduce-scattered over dp, then all-reduced over tp (the all-reduces bucketed). Each reduce-scatter is read by its all-reduce, not
     by the output; it is bucketed too, read where the all-reduces' bucket goes out
     (`passes.comm_buckets.bucket`): one launch for them instead of one per norm weight."""
     from autopar.passes.comm import REDUCE_SCATTER
@@ -379,7 +379,7 @@ def test_a_reduction_read_by_its_next_step_is_bucketed(fake_group) -> None:
 
     model, batch = load_model("gpt", "tiny", 8, seed=0)
     cluster = autopar.Cluster.local(mesh=(2, 2), axis_names=("dp", "tp"))
-    options = PlanOptions(strategy=("fsdp", "tp"))
+    options = PlanOptions(strategy=("fsdp", "sp"))
     plan, captured, mesh = plan_for_ranks(model, batch, cluster, None, options, None)
 
     def feeding(comm) -> list:  # reduce-scatters read by a collective (or a bucket's cat)

@@ -97,11 +97,11 @@ from autopar.passes.comm_buckets import (  # noqa: F401 - the pass's vocabulary,
     UNPACK,
     VIEWS,
     _collectives,
-    _copied,
     _first_use,
     _is_start,
     _reads_only_state,
     _reorder,
+    _sliced,
     bucket,
 )
 from autopar.passes.in_place import reduce_in_place, reducible_in_place

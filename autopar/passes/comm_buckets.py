@@ -37,7 +37,7 @@ VIEWS = {
 # what unpacks a fused collective's result into its members' tensors (a view, then a
 # contiguous copy): emitted together right after the wait, so the flat buffer dies there
 UNPACK = VIEWS | {torch.ops.aten.clone.default}
-COPIES = {torch.ops.aten.clone.default, torch.ops.aten._to_copy.default}  # `_copied`
+COPIES = {torch.ops.aten.clone.default, torch.ops.aten._to_copy.default}
 # what makes a rank's piece of an unevenly sharded value around a collective (the pad of
 # its input, the narrow of its result): some ranks' programs have them, others not
 PIECES = {
@@ -69,7 +69,7 @@ def _key(node: fx.Node) -> tuple | None:
     if not is_backward(node):
         return None  # forward reductions (TP activations, the loss) are needed at once
     # backward: gradient reductions (`_bucket` keeps those read only by the output)
-    return (str(node.target), *node.args[1:], val.dtype, _copied(next(iter(node.users))))
+    return (str(node.target), *node.args[1:], val.dtype, _sliced(next(iter(node.users))))
 
 
 def bucket(graph: fx.Graph, options: CommPlan) -> list[int]:
@@ -134,15 +134,13 @@ def _slot(members: list[fx.Node]) -> fx.Node:
     return members[0] if key is not None and key[0] == "ag" and key[3] else members[-1]
 
 
-def _copied(node: fx.Node) -> bool:
-    """Whether `node`'s readers keep a copy of its result (ZeRO's flat gradient shard in the
-    master dtype or a storage of its own, `passes.precision`): bucketed beside members kept
-    as slices, its slice would live on beside its copy (`_key` puts them apart)."""
-    return any(
-        u.target in COPIES or (u.target in VIEWS | PIECES and _copied(u))
-        for u in node.users
-        if u.op == "call_function"
-    )
+def _sliced(node: fx.Node) -> bool:
+    """Whether the output reads `node`'s result through views (a gradient kept as a slice of
+    its bucket's result: the whole bucket lives on). A member only copied (ZeRO's flat
+    shard in the master dtype, a chunk made contiguous for its storage) leaves its slot
+    dead; bucketed beside members kept as slices, that slot would live on with theirs
+    (`_key` puts them apart)."""
+    return any(u.op == "output" or (u.target in VIEWS | PIECES and _sliced(u)) for u in node.users)
 
 
 def _readers(node: fx.Node) -> set[fx.Node]:

@@ -13,7 +13,10 @@ redistribution reduces it. The scalar loss is made replicated, and `torch.autogr
 it with respect to the *local* parameter shards produces gradients already reduced to each
 parameter's storage placement (DTensor's `from_local` backward redistributes the gradient
 back to the placement it was created with: Partial -> Replicate is the DP all-reduce,
-Partial -> Shard the ZeRO/FSDP reduce-scatter).
+Partial -> Shard the ZeRO/FSDP reduce-scatter). Each node computed from the batch has its
+gradient pinned to its own placements, Partials made Replicate (`pin_gradient`): the
+backward then runs the moves the search priced on each edge, not ones DTensor picks for a
+gradient it kept Partial (checked in tests/test_priced_backward.py).
 
 The whole forward + backward is traced with `make_fx` on fake tensors. DTensor dispatch
 happens only while tracing: the resulting graph holds local ATen ops and
@@ -82,6 +85,7 @@ class PlacedInterpreter(fx.Interpreter):
         # id of a transposed DTensor -> (it, its source, the permutation): where a gather of
         # it splits an inner dim, the source is gathered instead (`_gathered_then_permuted`)
         self.permuted: dict[int, tuple[DTensor, DTensor, list[int]]] = {}
+        self.batch_side = batch_side(gm)
 
     def run_node(self, n: fx.Node):
         tag_layer(layer_of(n))  # what recompute_activations reads off the traced nodes
@@ -103,6 +107,8 @@ class PlacedInterpreter(fx.Interpreter):
         else:
             out = n.target(*args, **kwargs)
         out = self._check_output(n, out, node_plan)
+        if n.name in self.batch_side:
+            out = pin_gradient(out)
         dims = permutation(n, args)
         if dims is not None and isinstance(out, DTensor) and isinstance(args[0], DTensor):
             self.permuted[id(out)] = (out, args[0], dims)
@@ -142,6 +148,44 @@ class PlacedInterpreter(fx.Interpreter):
             if not any(p.is_partial() for p in out.placements):
                 out = out.redistribute(self.mesh, want)
         return out
+
+
+def batch_side(gm: fx.GraphModule) -> set[str]:
+    """Names of the nodes computed from the batch (a user input, or a pipeline stage's
+    received activation). The rest (a weight's transpose or cast, a position embedding)
+    depends on parameters and constants only: its gradient is a parameter's, reduced where
+    the plan reduces a parameter's (once per step, bucketed, reduce-scattered under ZeRO),
+    as the search prices it (`CostContext.is_weight`)."""
+    side: set[str] = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            if n.meta.get("autopar_role") not in ("param", "buffer"):
+                side.add(n.name)
+        elif any(a.name in side for a in n.all_input_nodes):
+            side.add(n.name)
+    return side
+
+
+def pin_gradient(out):
+    """`out`, its gradient made to arrive in `out`'s placements with its Partials Replicate:
+    the placement the search prices each node's backward from (`CostContext._grad_source`).
+    Left alone, DTensor's backward keeps a gradient Partial for as long as its ops allow
+    (a row-parallel product's gradient flows down the residual stream unreduced) and each
+    backward op then picks its own strategy for what arrives: gathering weights,
+    reduce-scattering activations, moves the plan never priced. With the gradient in the
+    forward's placement, every backward op finds the strategy mirroring its forward's."""
+    if not isinstance(out, DTensor) or not out.requires_grad:
+        return out
+    want = tuple(Replicate() if p.is_partial() else p for p in out.placements)
+    mesh = out.device_mesh
+
+    def placed(grad):
+        if isinstance(grad, DTensor) and tuple(grad.placements) != want:
+            return grad.redistribute(mesh, want)
+        return grad
+
+    out.register_hook(placed)
+    return out
 
 
 class _ReplicateToPartial(torch.autograd.Function):
