@@ -122,20 +122,24 @@ def test_recompute_keeps_less_than_saving_everything(gpt):
 
 @pytest.mark.multiproc
 def test_measured_equals_predicted_on_two_processes():
-    """`pm.memory_stats()` of the 2nd step (dp and fsdp, tiny GPT, 2 gloo ranks, one spawn)
-    is within 10% of the plan's predicted peak, on every rank."""
+    """`pm.memory_stats()` of the 2nd step (dp, fsdp and tp, tiny GPT, 2 gloo ranks, one
+    spawn) is within [-5%, +10%] of the plan's predicted peak, on every rank (all three
+    measured exactly as predicted here; tp was predicted 9% high while the liveness gave
+    a row-parallel product's all-reduce a buffer for moving its gradient back, which
+    nothing moves: `_Step.gradient_moved`)."""
     from autopar.testing.memory import MemoryCase, run_memory
 
     cases = [
         MemoryCase("dp", "gpt", (2,), ("dp",), "dp"),
         MemoryCase("fsdp", "gpt", (2,), ("dp",), "fsdp"),
+        MemoryCase("tp", "gpt", (2,), ("tp",), "tp"),
     ]
     for rows in run_memory(cases, 2):
         for r in rows:
             assert r.error is None, r.error
             assert sum(r.predicted.values()) == pytest.approx(r.predicted_peak)
             assert sum(r.measured.values()) == r.peak
-            assert 0.9 <= r.ratio <= 1.1, (r.label, r.rank, r.peak, r.predicted_peak)
+            assert 0.95 <= r.ratio <= 1.1, (r.label, r.rank, r.peak, r.predicted_peak)
 
 
 def test_memory_lines_show_measured_beside_predicted():

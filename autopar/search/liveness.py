@@ -15,7 +15,7 @@ those of the plan's local shards on the stage mesh. The step, as the runtime run
   value dies after its last forward use unless a backward reads it (then after the
   backward of its first reader);
 * backward, reverse order: a gradient per differentiable input (in the input's spec, moved
-  back into the producer's spec if redistributed), summed into a new buffer when a value
+  back into the producer's spec if redistributed from a source not Partial), summed into a new buffer when a value
   has two readers; output gradients and saved values freed after their last reader; a
   parameter's complete gradient cast to the reduce dtype and reduced out of place into its
   storage (or reduce-scattered into the ZeRO flat shard), in `passes.comm`'s buckets
@@ -174,6 +174,18 @@ class _Step:
         return not all(
             a == b or (a.is_partial() and b.is_partial()) for a, b in zip(src, dst, strict=True)
         )
+
+    def gradient_moved(self, n: fx.Node, pos: int, op) -> bool:
+        """Whether the backward of input `pos`'s redistribution moves its gradient: not
+        where the source was Partial (a row-parallel product summed into Replicate: the
+        gradient stays Replicate, or Partial where the consumer splits, DTensor's
+        `Redistribute.backward`), only where a source axis was split or replicated and the
+        consumer wanted it otherwise."""
+        dst = self.input_spec(n, pos)
+        src = self.node_spec(*self.value(op))
+        if dst is None or src is None:
+            return False
+        return any(not a.is_partial() and a != b for a, b in zip(src, dst, strict=True))
 
     def layout(self) -> None:
         """Storage keys of every input and output, and when each storage dies."""
@@ -380,7 +392,7 @@ def _backward(step: _Step, again: dict, param_bytes: dict[str, Param]) -> None:
                 live.alloc(
                     key, step.value_bytes(*_resolve(op), step.input_spec(n, pos)), "activations"
                 )
-                if step.redistributed(n, pos, op):
+                if step.gradient_moved(n, pos, op):
                     moved = ("gradcomm", n.name, k)
                     # a bucketed reduce-scatter (in a stage's backward program too, when
                     # the plan runs `passes.comm` there)
