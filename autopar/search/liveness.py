@@ -15,11 +15,12 @@ those of the plan's local shards on the stage mesh. The step, as the runtime run
   value dies after its last forward use unless a backward reads it (then after the
   backward of its first reader);
 * backward, reverse order: a gradient per differentiable input (in the input's spec, moved
-  back into the producer's spec if redistributed from a source not Partial), summed into a new buffer when a value
-  has two readers; output gradients and saved values freed after their last reader; a
-  parameter's complete gradient cast to the reduce dtype and reduced out of place into its
-  storage (or reduce-scattered into the ZeRO flat shard), in `passes.comm`'s buckets
-  (`search.fused_comm`: a bucket's gradients held until it closes, then concatenated);
+  back into the producer's spec if redistributed from a source not Partial), summed into a
+  new buffer when a value has two readers; output gradients and saved values freed after
+  their last reader; a parameter's complete gradient cast to the reduce dtype and reduced
+  out of place into its storage (or reduce-scattered into the ZeRO flat shard), in
+  `passes.comm`'s buckets (`search.fused_comm`: a bucket's gradients held until it
+  closes, then concatenated);
 * fused gathers (`search.fused_comm`): a layer's gathered weights all made when the first
   is needed, the fused collective's flat result alive while they are copied out;
 * levers (`Plan.memory`): a recomputed layer keeps what `recomputed(policy, op)` keeps
