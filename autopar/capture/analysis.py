@@ -3,10 +3,14 @@
 `layer_order(captured) -> [layer]`: the repeated blocks (`layer_of`) in graph order.
 `batch_dependent(captured) -> {node}`: the nodes computed from the user inputs; the rest
 depends on parameters, buffers and constants only (state, not activations).
+`computed_from(graph, is_source) -> {node}`: the same from any sources (a pipeline stage's
+received activations too).
 `assign_stages(captured, cuts) -> {node: stage}`: the pipeline stage of every activation.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch.fx as fx
 
@@ -25,11 +29,15 @@ def layer_order(captured: Captured) -> list[str]:
 
 def batch_dependent(captured: Captured) -> set[fx.Node]:
     """Nodes computed from the user inputs (the rest depends on weights and constants only)."""
+    inputs = set(captured.user_inputs)
+    return computed_from(captured.gm.graph, lambda n: n.op == "placeholder" and n.name in inputs)
+
+
+def computed_from(graph: fx.Graph, is_source: Callable[[fx.Node], bool]) -> set[fx.Node]:
+    """The nodes `is_source` takes and every node computed from one of them."""
     out: set[fx.Node] = set()
-    for n in captured.gm.graph.nodes:
-        if (n.op == "placeholder" and n.name in captured.user_inputs) or any(
-            a in out for a in n.all_input_nodes
-        ):
+    for n in graph.nodes:
+        if is_source(n) or any(a in out for a in n.all_input_nodes):
             out.add(n)
     return out
 

@@ -47,12 +47,13 @@ from autopar._compat import (
     tree_unflatten,
 )
 from autopar.capture import Captured
+from autopar.capture.analysis import computed_from
 from autopar.capture.export import layer_of
 from autopar.cost_models.rearrange import through_source, transposed_dims
 from autopar.passes.comm import CommOptions, optimize_comm, options_of
 from autopar.passes.precision import ParamBoundary
 from autopar.passes.recompute import backward_phase, recompute_activations, tag_layer
-from autopar.passes.strategies import register_dtensor_rules
+from autopar.passes.strategies import register_dtensor_rules, summed_spec
 from autopar.plan import Plan, parse_spec
 
 log = logging.getLogger(__name__)
@@ -156,14 +157,11 @@ def batch_side(gm: fx.GraphModule) -> set[str]:
     depends on parameters and constants only: its gradient is a parameter's, reduced where
     the plan reduces a parameter's (once per step, bucketed, reduce-scattered under ZeRO),
     as the search prices it (`CostContext.is_weight`)."""
-    side: set[str] = set()
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            if n.meta.get("autopar_role") not in ("param", "buffer"):
-                side.add(n.name)
-        elif any(a.name in side for a in n.all_input_nodes):
-            side.add(n.name)
-    return side
+
+    def received(n: fx.Node) -> bool:
+        return n.op == "placeholder" and n.meta.get("autopar_role") not in ("param", "buffer")
+
+    return {n.name for n in computed_from(gm.graph, received)}
 
 
 def pin_gradient(out):
@@ -176,7 +174,7 @@ def pin_gradient(out):
     forward's placement, every backward op finds the strategy mirroring its forward's."""
     if not isinstance(out, DTensor) or not out.requires_grad:
         return out
-    want = tuple(Replicate() if p.is_partial() else p for p in out.placements)
+    want = summed_spec(out.placements)
     mesh = out.device_mesh
 
     def placed(grad):

@@ -46,6 +46,7 @@ from autopar.passes.lower import PlacedInterpreter, _wrap
 from autopar.passes.precision import ParamBoundary
 from autopar.passes.recompute import recompute_activations, recomputed_nodes
 from autopar.passes.stages import StageGraph
+from autopar.passes.strategies import summed_spec
 from autopar.plan import MemoryPlan, Plan, canonical_spec, parse_spec, scattered_spec
 from autopar.runtime.inductor import aot_compiler
 from autopar.runtime.shards import local_chunk, mesh_device
@@ -250,7 +251,7 @@ def boundary_spec(
             return parse_spec(t.spec)
     node = plan.node(name)
     spec = parse_spec(node.outputs[0])
-    spec = tuple(Replicate() if p.is_partial() else p for p in spec)
+    spec = summed_spec(spec)
     if pipeline is not None and pipeline.boundary == "scattered" and shape is not None:
         return scattered_spec(spec, shape, plan.stage_mesh_shape)
     return spec

@@ -62,7 +62,7 @@ from autopar.cluster import Cluster
 from autopar.cost_models import comm, compute, memory, optimizer
 from autopar.cost_models.reshard import reshard_seconds, same_spec
 from autopar.cost_models.ring import ring_attention_time, ring_forward_time
-from autopar.passes.strategies import NodeStrategy, Spec
+from autopar.passes.strategies import NodeStrategy, Spec, summed_spec
 from autopar.passes.strategies.rules import attention, random_ops, regions
 from autopar.search.edge_collectives import EdgeCollectives
 from autopar.search.edge_matrices import EdgeMatrices, EdgeValue
@@ -441,9 +441,9 @@ class CostContext(EdgeMatrices, EdgeCollectives):
         return found
 
     def _grad_source(self, src: tuple) -> tuple:
-        """The gradient's placement at the producer: its Partials are Replicate there."""
+        """The gradient's placement at the producer (`summed_spec`)."""
         if (found := self._grad_srcs.get(src)) is None:  # by content: `src` is a fresh tuple
-            found = self._grad_srcs[src] = tuple(Replicate() if p.is_partial() else p for p in src)
+            found = self._grad_srcs[src] = summed_spec(src)
         return found
 
     def _grad_spec_at_consumer(self, dst, s: NodeStrategy):

@@ -31,13 +31,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Replicate
 
 from autopar.capture import Captured
 from autopar.capture.analysis import layer_order
 from autopar.capture.export import layer_of
 from autopar.cost_models.memory import local_numel
 from autopar.cost_models.reshard import reshard_seconds
+from autopar.passes.strategies import summed_spec
 from autopar.plan import canonical_spec, scattered_spec
 
 
@@ -98,7 +98,7 @@ def _priced(value: fx.Node, reader: str, result) -> Crossing:
         return Crossing(whole, whole, canonical_bytes=whole)
     ctx = result.ctx
     out = tuple(result.chosen[value].outputs[0])
-    placed = tuple(Replicate() if p.is_partial() else p for p in out)
+    placed = summed_spec(out)
     scattered = scattered_spec(placed, shape, ctx.mesh_shape)
     canonical = canonical_spec(shape, math.prod(ctx.mesh_shape), len(ctx.mesh_shape))
 

@@ -167,14 +167,8 @@ class _Step:
         return self.output_spec(node, index)
 
     def redistributed(self, n: fx.Node, pos: int, op) -> bool:
-        dst = self.input_spec(n, pos)
-        name, index = self.value(op)
-        src = self.node_spec(name, index)
-        if dst is None or src is None:
-            return False
-        return not all(
-            a == b or (a.is_partial() and b.is_partial()) for a, b in zip(src, dst, strict=True)
-        )
+        pairs = self._placement_pairs(n, pos, op)
+        return any(a != b and not (a.is_partial() and b.is_partial()) for a, b in pairs)
 
     def gradient_moved(self, n: fx.Node, pos: int, op) -> bool:
         """Whether the backward of input `pos`'s redistribution moves its gradient: not
@@ -182,11 +176,17 @@ class _Step:
         gradient stays Replicate, or Partial where the consumer splits, DTensor's
         `Redistribute.backward`), only where a source axis was split or replicated and the
         consumer wanted it otherwise."""
+        pairs = self._placement_pairs(n, pos, op)
+        return any(not a.is_partial() and a != b for a, b in pairs)
+
+    def _placement_pairs(self, n: fx.Node, pos: int, op) -> list[tuple]:
+        """Per mesh axis, (the value's placement, the one input `pos` of `n` wants); none
+        where either spec is unknown."""
         dst = self.input_spec(n, pos)
         src = self.node_spec(*self.value(op))
         if dst is None or src is None:
-            return False
-        return any(not a.is_partial() and a != b for a, b in zip(src, dst, strict=True))
+            return []
+        return list(zip(src, dst, strict=True))
 
     def layout(self) -> None:
         """Storage keys of every input and output, and when each storage dies."""

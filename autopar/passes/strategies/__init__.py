@@ -21,6 +21,7 @@ from autopar.passes.strategies.spec import (
     is_valid_spec,
     placement_str,
     spec_str,
+    summed_spec,
     tensor_inputs,
 )
 
@@ -36,5 +37,6 @@ __all__ = [
     "register_rule",
     "spec_str",
     "storage_specs",
+    "summed_spec",
     "tensor_inputs",
 ]

@@ -148,6 +148,13 @@ def replicate_spec(ndim: int) -> Spec:
     return (Replicate(),) * ndim
 
 
+def summed_spec(spec: Sequence[Placement]) -> Spec:
+    """`spec` with every Partial Replicate: where a value's pending sum is read whole. A
+    gradient arrives so at the node that computed the value (what the search prices each
+    node's backward from, and what lowering pins), and a value crosses a stage so."""
+    return tuple(Replicate() if p.is_partial() else p for p in spec)
+
+
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     """The producers of the node's operands (:func:`autopar.capture.operands.operands`):
     input nodes in flattened (args, kwargs) order, repeats kept.
