@@ -3,9 +3,9 @@
 The layout search captures a template at every microbatch count's rows; `AnyRows` exports
 the model once with the batch dim symbolic and evaluates the graph at each size. The graph
 it makes at a size must be the one `torch.export` traces at that size: the same nodes,
-names, ops, arguments, shapes and metadata, the same fingerprint. Where that cannot hold
-(a model that does not export with a symbolic batch, rows of 1, rows above the first
-call's) it traces as given.
+names, ops, arguments, shapes and metadata, the same fingerprint, at one row too. Where
+that cannot hold (a model that does not export with a symbolic batch, an op that drops a
+dim of one row, rows above the first call's) it traces as given.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from autopar.capture import capture
-from autopar.capture.rows import AnyRows
+from autopar.capture.rows import AnyRows, at_rows, shapes_hold
 from autopar.capture.template import capture_template
 from samples import SAMPLES
 from tests.test_expand import _assert_same_graph, _hf_gpt2, _Residual
@@ -44,7 +44,7 @@ CASES["residual in the parent, loss_fn"] = lambda: (
 def test_the_graph_made_at_each_size_is_the_traced_one(case: str) -> None:
     model, batch, loss_fn = CASES[case]()
     tracer = AnyRows()
-    for rows in (batch[0].shape[0], 2):  # the first call exports, the other evaluates
+    for rows in (batch[0].shape[0], 2, 1):  # the first call exports, the others evaluate
         made = capture(model, _rows(batch, rows), loss_fn, tracer)
         _assert_same_graph(made, capture(model, _rows(batch, rows), loss_fn))
     assert tracer.traced is not None and not tracer.failed, "the symbolic export was refused"
@@ -94,12 +94,13 @@ class _Squeezes(nn.Module):
         return self.proj(x.squeeze(0)).sum()
 
 
-def test_rows_of_one_and_above_the_first_are_traced_as_given() -> None:
+def test_a_graph_that_differs_at_one_row_and_rows_above_the_first_are_traced() -> None:
     model, tracer = _Squeezes(), AnyRows()
     x = torch.randn(4, 4)
     capture(model, (x,), None, tracer)
     assert tracer.traced is not None
-    one = capture(model, (x[:1],), None, tracer)  # the symbol was exported as >= 2
+    assert not shapes_hold(at_rows(tracer.traced, 1))  # the symbol was exported as >= 2
+    one = capture(model, (x[:1],), None, tracer)
     assert one.loss_node.args[0].meta["val"].shape == (4,)
     _assert_same_graph(one, capture(model, (x[:1],)))
     more = torch.randn(6, 4)

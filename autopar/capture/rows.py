@@ -16,15 +16,17 @@ tests/test_capture_rows.py).
 
 Where it cannot hold, the call traces as given (`export.trace`): a model whose export
 with a symbolic batch fails or specializes it (a hard-coded `view(16, ...)`, a branch on
-the batch size), rows of 1 (the symbol is exported as at least 2: a `squeeze` would
-differ), rows above the first call's, other shapes than the first call's beyond dim 0,
-or another root. A template only prices: the final plan's graph is built from the
+the batch size), rows of 1 where an op's shapes differ there (the symbol is exported as
+at least 2, so a `squeeze` of the batch dim was traced as keeping it: `shapes_hold` runs
+every op again on the evaluated values, ~0.1 s against a trace's ~1 s), rows above the
+first call's, other shapes than the first call's beyond dim 0, or another root. A template only prices: the final plan's graph is built from the
 winner's template and checked against a concrete trace of three blocks
 (`Template._repeats`), or traced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Sequence
 
@@ -50,7 +52,7 @@ class AnyRows:
 
     def __call__(self, root: torch.nn.Module, args: Sequence) -> Traced:
         rows = _rows_of(args)
-        if rows is None or rows < 2 or self.failed:
+        if rows is None or rows < 1 or self.failed:
             return trace(root, args)
         key = (_identity(root), _beyond_rows(args))
         if self.traced is None:
@@ -63,7 +65,10 @@ class AnyRows:
                 return trace(root, args)
         if key != self._key or rows > self._rows:
             return trace(root, args)
-        return at_rows(self.traced, rows)
+        made = at_rows(self.traced, rows)
+        if rows == 1 and not shapes_hold(made):  # an op that drops a dim of size 1
+            return trace(root, args)
+        return made
 
 
 def at_rows(traced: Traced, rows: int) -> Traced:
@@ -109,6 +114,40 @@ def at_rows(traced: Traced, rows: int) -> Traced:
         graph.erase_node(node)
     out.gm.recompile()
     return out
+
+
+def shapes_hold(traced: Traced) -> bool:
+    """Whether every op of `traced` (made by `at_rows`), run again on its inputs' values,
+    gives the shapes its metadata holds. The symbol was exported for rows of 2 and more,
+    so an op whose result depends on a dim being 1 (a `squeeze`) was traced as for 2: at
+    one row its metadata would keep a dim the op drops."""
+    for node in traced.gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
+        try:
+            with _fake_mode(node.meta.get("val")) or contextlib.nullcontext():
+                got = node.target(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - an op that does not run at these rows
+            return False
+        if _shapes(got) != _shapes(node.meta.get("val")):
+            return False
+    return True
+
+
+def _shapes(val) -> object:
+    if isinstance(val, torch.Tensor):
+        return tuple(val.shape)
+    if isinstance(val, (list, tuple)):
+        return tuple(_shapes(v) for v in val)
+    return None
+
+
+def _fake_mode(val):
+    """The fake mode of the first fake tensor in `val`, None if it holds none."""
+    if isinstance(val, (list, tuple)):
+        return next(filter(None, map(_fake_mode, val)), None)
+    return getattr(val, "fake_mode", None)
 
 
 def _trace_symbolic(root: torch.nn.Module, args: Sequence, rows: int) -> Traced | None:
