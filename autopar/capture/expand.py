@@ -37,6 +37,7 @@ import torch
 import torch.fx as fx
 from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 
+from autopar._compat import LazyGraphModule
 from autopar.capture.export import Traced, base_name, layer_of
 
 _LIFTED = re.compile(r"lifted_tensor_(\d+)$")
@@ -179,7 +180,7 @@ class _Expansion:
             if ends_run and not self._repeat(n.op == "placeholder", n):
                 return None
             self.after_stack |= ends_run and n.op != "placeholder"
-        gm = fx.GraphModule(self.traced.gm, self.graph)
+        gm = LazyGraphModule(self.traced.gm, self.graph)
         inputs = [self.specs[n.name] for n in self.graph.nodes if n.op == "placeholder"]
         return Traced(gm, inputs, self._output_specs(), self.constants)
 

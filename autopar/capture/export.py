@@ -32,6 +32,7 @@ from torch import nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, InputSpec, OutputKind, OutputSpec
 
+from autopar._compat import LazyGraphModule
 from autopar.capture.batch_norm import BATCH_NORM_DECOMPOSITIONS
 from autopar.capture.splits import unflatten_equal_splits
 
@@ -116,7 +117,7 @@ class Traced:
         graph = fx.Graph()
         graph.output(graph.graph_copy(self.gm.graph, {}))
         specs = (deepcopy(self.input_specs), deepcopy(self.output_specs))
-        return Traced(fx.GraphModule(self.gm, graph), *specs, dict(self.constants))
+        return Traced(LazyGraphModule(self.gm, graph), *specs, dict(self.constants))
 
 
 def capture(
@@ -405,7 +406,7 @@ def _renumbered(gm: fx.GraphModule) -> fx.GraphModule:
         args, kwargs = fx.node.map_arg((n.args, n.kwargs), new.__getitem__)
         new[n] = graph.create_node(n.op, n.target, args, kwargs, name=name)
         new[n].meta = n.meta
-    return fx.GraphModule(gm, graph)
+    return LazyGraphModule(gm, graph)
 
 
 def base_name(name: str) -> str:
