@@ -207,3 +207,30 @@ def test_a_plan_is_confirmed_on_the_trace_when_the_template_does_not_show_the_mo
     plan = autopar.plan(repeating, batch, cluster=Cluster.preset("cpu", mesh=(2,)), loss_fn=_loss)
     assert plan.solver.get("graph") == BUILT
     assert plan.graph_fingerprint == capture(repeating, batch, _loss).fingerprint
+
+
+@pytest.mark.parametrize("last_differs", [None, False, True], ids=["repeats", "depth", "last"])
+def test_a_check_started_before_the_template_confirms_its_graph(last_differs) -> None:
+    """The layout search starts the three-block check before it captures the template
+    (`start_check`, on another core while the template exports); the template adopts it
+    and the whole model built from it is confirmed or refused by that check as by its own.
+    A check started for other shapes is stopped and the template's own runs instead."""
+    from autopar.capture.template import start_check
+
+    model = _Residual(5) if last_differs is None else _Depth(5, last_differs)
+    batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    check = start_check(model, batch, _loss)
+    assert check is not None and (check.path, check.blocks) == ("layers", 5)
+    tpl = capture_template(model, batch, _loss)
+    tpl.adopt(check)
+    built = tpl.whole_model(model, batch, _loss, confirm_later=True)
+    assert tpl._check is check  # adopted, not started again
+    assert tpl.confirmed() is (last_differs is None)
+    if last_differs is None:
+        _assert_same_graph(built, capture(model, batch, _loss))
+    other = start_check(model, tuple(t[:4] for t in batch), _loss)
+    tpl = capture_template(model, batch, _loss)
+    tpl.adopt(other)
+    tpl.whole_model(model, batch, _loss, confirm_later=True)
+    assert tpl._check is not other and other.traced._conn is None  # stopped
+    assert tpl.confirmed() is (last_differs is None)

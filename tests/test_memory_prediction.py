@@ -203,3 +203,41 @@ def test_a_plan_predicted_above_the_device_warns_with_the_fix(toy):
     # a memory_limit the call gave is the bound it is held to
     with pytest.warns(UserWarning, match=r"above the memory_limit of"):
         warn_if_over_memory(plan, cluster, 0.5 * plan.predicted_peak_memory)
+
+
+def test_repeated_nodes_read_the_probe_of_their_twin() -> None:
+    """`probe_graph` runs each distinct call once (a repeated block's nodes read their
+    twin's probe and get outputs of the same layouts): every probe is the one running
+    every node gives, on the samples and a whole model built from its template."""
+    import operator
+
+    import torch.fx as fx
+
+    from autopar.capture.template import capture_template
+    from autopar.search.probe import _probe
+    from samples import SAMPLES
+
+    def every_node_run(captured) -> dict:
+        probes, env = {}, {}
+        for n in captured.gm.graph.nodes:
+            if n.op == "placeholder":
+                val = n.meta["val"]
+                t = torch.empty(val.shape, dtype=val.dtype, device="meta")
+                env[n] = t.requires_grad_(n.name in captured.params and val.dtype.is_floating_point)
+            elif n.op == "call_function":
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
+                if n.target is operator.getitem:
+                    env[n] = operator.getitem(*args)
+                    continue
+                env[n], probes[n.name] = _probe(n.target, args, kwargs)
+        return probes
+
+    graphs = []
+    for sample in SAMPLES.values():
+        model = sample.build("tiny")
+        graphs.append(capture(model, sample.example_batch(model, 4)))
+    model = SAMPLES["llama"].build("tiny4")
+    batch = SAMPLES["llama"].example_batch(model, 4)
+    graphs.append(capture_template(model, batch).whole_model(model, batch))
+    for captured in graphs:
+        assert probe_graph(captured) == every_node_run(captured)

@@ -42,7 +42,7 @@ from autopar.capture.export import (
     layer_of,
     trace,
 )
-from autopar.forked import Forked
+from autopar.forked import Forked, can_fork
 
 TEMPLATE_BLOCKS = 2
 TEMPLATE_MIN_BLOCKS = 8  # below, a second capture costs more than the full graph's ILP saves
@@ -88,9 +88,12 @@ class Template:
         if self.traced is None or self.total_layers is None:
             return None
         later = confirm_later and self.repeats is None
+        if self._check is not None and not self._check.serves(model, loss_fn, args):
+            self._check.traced.cancel()  # started for another model or shapes (`adopt`)
+            self._check = None
         if later and self._check is None:
-            three = Forked.start(self._three_traced(model, args, loss_fn))
-            self._check = _Check(model, loss_fn, three)
+            fn = _three_traced(model, self.stack_path, self.total_layers, args, loss_fn)
+            self._check = _Check(model, loss_fn, Forked.start(fn), _shapes(args))
         built = self._built(model, loss_fn, self.total_layers)
         if built is None or not _traces(built, model, args):
             if self._check is not None:
@@ -103,6 +106,16 @@ class Template:
             return None
         built.from_template = True
         return built
+
+    def adopt(self, check: _Check | None) -> None:
+        """`check` (`start_check`'s, started before this template was captured) as this
+        template's three-block check, where it checks this template's stack."""
+        if check is None:
+            return
+        if (check.path, check.blocks) != (self.stack_path, self.total_layers) or self._check:
+            check.traced.cancel()
+            return
+        self._check = check
 
     def confirmed(self) -> bool:
         """Whether the graph `whole_model(..., confirm_later=True)` built is the model's
@@ -126,22 +139,9 @@ class Template:
         template cannot tell (a forward that reads its depth, `aux / len(self.layers)`; a
         last block unlike the others). One trace of three blocks, once per template."""
         if self.repeats is None:
-            self.repeats = self._same(model, loss_fn, self._three_traced(model, args, loss_fn)())
+            fn = _three_traced(model, self.stack_path, self.total_layers, args, loss_fn)
+            self.repeats = self._same(model, loss_fn, fn())
         return self.repeats
-
-    def _three_traced(self, model: nn.Module, args: Sequence, loss_fn: Callable | None):
-        """What `_same` compares of the model traced with blocks 0, 1 and its last: a
-        function giving its (fingerprint, node names), None where it does not trace so."""
-
-        def traced() -> tuple[str, list[str]] | None:
-            try:
-                with truncated_blocks(model, self.stack_path, (0, 1, self.total_layers - 1)):
-                    found = capture(model, args, loss_fn)
-            except CaptureError:  # not traceable so: the whole model is traced (and says why)
-                return None
-            return found.fingerprint, [n.name for n in found.gm.graph.nodes]
-
-        return traced
 
     def _same(self, model: nn.Module, loss_fn: Callable | None, traced) -> bool:
         """Three blocks built are the three traced (`_three_traced`'s answer)."""
@@ -160,6 +160,48 @@ class _Check:
     model: nn.Module
     loss_fn: Callable | None
     traced: Forked
+    shapes: tuple  # of the args it traces (`_shapes`)
+    path: str = ""  # the stack it cuts and its blocks (`start_check`'s)
+    blocks: int | None = None
+
+    def serves(self, model: nn.Module, loss_fn: Callable | None, args: Sequence) -> bool:
+        return self.model is model and self.loss_fn is loss_fn and self.shapes == _shapes(args)
+
+
+def start_check(model: nn.Module, args: Sequence, loss_fn: Callable | None) -> _Check | None:
+    """The three-block check of the template `capture_template(model, args, loss_fn)`
+    will capture, started now in a forked process (None where nothing would be cut or no
+    process can be forked). The layout search's first seconds export its template on one
+    core (`capture.rows`); the check runs on another meanwhile, and a final plan built
+    from that template (`Template.adopt`) finds its answer waiting."""
+    stack = block_stack(model)
+    if stack is None or len(stack[1]) <= TEMPLATE_BLOCKS or not can_fork():
+        return None
+    path, blocks = stack
+    fn = _three_traced(model, path, len(blocks), args, loss_fn)
+    return _Check(model, loss_fn, Forked.start(fn), _shapes(args), path, len(blocks))
+
+
+def _three_traced(model: nn.Module, path: str, blocks: int, args, loss_fn: Callable | None):
+    """What `Template._same` compares of the model traced with blocks 0, 1 and its last (of
+    `blocks` at `path`): a function giving its (fingerprint, node names), None where it
+    does not trace so."""
+
+    def traced() -> tuple[str, list[str]] | None:
+        try:
+            with truncated_blocks(model, path, (0, 1, blocks - 1)):
+                found = capture(model, args, loss_fn)
+        except CaptureError:  # not traceable so: the whole model is traced (and says why)
+            return None
+        return found.fingerprint, [n.name for n in found.gm.graph.nodes]
+
+    return traced
+
+
+def _shapes(args: Sequence) -> tuple:
+    return tuple(
+        (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else repr(a) for a in args
+    )
 
 
 def block_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:

@@ -53,7 +53,7 @@ from autopar._compat import shape_only_mesh
 from autopar.capture.analysis import layer_order
 from autopar.capture.export import layer_of
 from autopar.capture.rows import AnyRows
-from autopar.capture.template import Template, capture_template
+from autopar.capture.template import Template, capture_template, start_check
 from autopar.cluster import Cluster
 from autopar.cost_models import compute
 from autopar.plan import Plan
@@ -307,7 +307,9 @@ def _search_layout(
     _check_state_fits(model, cluster, options)
     pricer = _Pricer(model, batch, cluster, options, loss_fn)
     rows = batch[0].shape[0]
+    check = start_check(model, batch, loss_fn)  # on another core while the template exports
     whole = pricer.template(rows)
+    whole.adopt(check)
     layers = whole.total_layers or _captured_layers(pricer)
     if layers < 2 or whole.captured.mutated_buffers:
         pipeline_stages = 1  # nothing to cut, or per-microbatch BatchNorm statistics

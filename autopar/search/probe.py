@@ -9,6 +9,12 @@ backward reads. Outputs whose `_base` is an input are views (no new storage). Tw
 follow the runtime rather than meta execution: `scaled_dot_product_attention` (kept whole
 in the captured graph; its fused kernels save q, k, v, the output and a float32
 logsumexp) and a `view` of a non-contiguous input (lowering copies it first, a new buffer).
+
+A node whose op, inputs (shapes, strides, dtypes, whether each takes a gradient or is a
+view) and other arguments are another's (a repeated block's) reads that one's probe, and
+its outputs, new tensors of the layouts the op gave there, are made without running it
+(a 32-block model's whole graph probes its distinct nodes, not its 2,400); an op that
+gives a view of an input, or anything but tensors, runs each time.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ def probe_graph(captured: Captured) -> dict[str, NodeProbe]:
     """Run the captured graph once on meta tensors and record `NodeProbe` per call node."""
     probes: dict[str, NodeProbe] = {}
     env: dict[fx.Node, object] = {}
+    seen: dict[tuple, tuple[NodeProbe, list | None]] = {}  # by `_signature`
     for n in captured.gm.graph.nodes:
         if n.op == "placeholder":
             val = n.meta["val"]
@@ -54,8 +61,55 @@ def probe_graph(captured: Captured) -> dict[str, NodeProbe]:
             if n.target is operator.getitem:
                 env[n] = operator.getitem(*args)
                 continue
+            key = _signature(n.target, args, kwargs)
+            found = seen.get(key) if key is not None else None
+            if found is not None and found[1] is not None:
+                probes[n.name] = found[0]
+                env[n] = _made(found[1])
+                continue
             env[n], probes[n.name] = _probe(n.target, args, kwargs)
+            if key is not None:
+                seen[key] = (probes[n.name], _layouts(env[n], probes[n.name]))
     return probes
+
+
+def _signature(target, args, kwargs) -> tuple | None:
+    """What `_probe` reads of a call: the op, each tensor's layout, whether it takes a
+    gradient or is a view, and the other arguments (None where one is not hashable)."""
+
+    def one(a):
+        if isinstance(a, torch.Tensor):
+            return (tuple(a.shape), a.stride(), a.dtype, a.requires_grad, a._base is not None)
+        if isinstance(a, (list, tuple)):
+            return tuple(map(one, a))
+        return a
+
+    try:
+        key = (target, one(args), tuple(sorted((k, one(v)) for k, v in kwargs.items())))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _layouts(out, probe: NodeProbe) -> list | None:
+    """The outputs' (shape, stride, dtype, takes a gradient), to be made again without
+    running the op; None where an output is a view of an input or not a tensor."""
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    if probe.view_of or not all(isinstance(o, torch.Tensor) for o in outs):
+        return None
+    made = [(tuple(o.shape), o.stride(), o.dtype, o.requires_grad) for o in outs]
+    return [*made, isinstance(out, (tuple, list))]
+
+
+def _made(layouts: list) -> object:
+    """New meta tensors of `_layouts`' layouts (taking a gradient), as the op gave them."""
+    *each, several = layouts
+    outs = [
+        torch.empty_strided(shape, stride, dtype=dtype, device="meta").requires_grad_(grad)
+        for shape, stride, dtype, grad in each
+    ]
+    return tuple(outs) if several else outs[0]
 
 
 def _probe(target, args, kwargs) -> tuple[object, NodeProbe]:
