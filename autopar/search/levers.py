@@ -145,59 +145,62 @@ def region_outputs(nodes) -> set[fx.Node]:
 
 
 class _Terms:
-    """Accumulated edge and gated-edge matrices."""
+    """Accumulated edge and gated-edge matrices (keyed (u, v) and (u, v, w, choice)); an
+    overlay of `base` (`over`) starts from copies of the base's matrices it is asked for."""
 
-    def __init__(self, sizes: list[int]):
+    def __init__(self, sizes: list[int], base: _Terms | None = None):
         self.sizes = sizes
-        self.edges: dict[tuple[int, int], tuple[Matrix, Matrix]] = {}
-        self.gated: dict[tuple[int, int, int, int], tuple[Matrix, Matrix]] = {}
+        self.base = base
+        self.terms: dict[tuple[int, ...], tuple[Matrix, Matrix]] = {}
+        self._frozen: dict[tuple[int, ...], tuple | None] = {}  # `_freeze`'s, by key
 
-    def _zeros(self, u: int, v: int) -> tuple[Matrix, Matrix]:
-        ku, kv = self.sizes[u], self.sizes[v]
-        return [[0.0] * kv for _ in range(ku)], [[0.0] * kv for _ in range(ku)]
-
-    def edge(self, u: int, v: int) -> tuple[Matrix, Matrix]:
-        if (u, v) not in self.edges:
-            self.edges[(u, v)] = self._zeros(u, v)
-        return self.edges[(u, v)]
-
-    def gate(self, u: int, v: int, w: int, choice: int) -> tuple[Matrix, Matrix]:
-        if (u, v, w, choice) not in self.gated:
-            self.gated[(u, v, w, choice)] = self._zeros(u, v)
-        return self.gated[(u, v, w, choice)]
+    def over(self) -> _Terms:
+        return _Terms(self.sizes, self)
 
     def at(self, key: tuple[int, ...]) -> tuple[Matrix, Matrix]:
-        """`edge(*key)` or `gate(*key)`, by the key's length."""
-        return self.edge(*key) if len(key) == 2 else self.gate(*key)
+        """The matrices of an edge (u, v) or a gated edge (u, v, w, choice)."""
+        found = self.terms.get(key)
+        if found is None:
+            if self.base is not None and key in self.base.terms:
+                c, m = self.base.terms[key]
+                found = [r[:] for r in c], [r[:] for r in m]
+            else:
+                ku, kv = self.sizes[key[0]], self.sizes[key[1]]
+                found = [[0.0] * kv for _ in range(ku)], [[0.0] * kv for _ in range(ku)]
+            self.terms[key] = found
+        return found
 
-    def copy(self) -> _Terms:
-        out = _Terms(self.sizes)
-        for mine, theirs in ((self.edges, out.edges), (self.gated, out.gated)):
-            for key, (c, m) in mine.items():
-                theirs[key] = [r[:] for r in c], [r[:] for r in m]
-        return out
+    def edge(self, u: int, v: int) -> tuple[Matrix, Matrix]:
+        return self.at((u, v))
+
+    def gate(self, u: int, v: int, w: int, choice: int) -> tuple[Matrix, Matrix]:
+        return self.at((u, v, w, choice))
 
     def problem(self, p: IntraOpProblem, cost: list, mem: list) -> IntraOpProblem:
-        def t(m: Matrix) -> tuple[tuple[float, ...], ...]:
-            return tuple(tuple(r) for r in m)
-
-        def nonzero(c: Matrix, m: Matrix) -> bool:
-            return any(x for r in (*c, *m) for x in r)
-
-        edges = [Edge(u, v, t(c), t(m)) for (u, v), (c, m) in self.edges.items() if nonzero(c, m)]
-        gated = [
-            GatedEdge(u, v, w, k, t(c), t(m))
-            for (u, v, w, k), (c, m) in self.gated.items()
-            if nonzero(c, m)
-        ]
+        """`p` with these terms' nonzero edges and gated edges appended (an overlay's: the
+        base's in its order, each as changed here, then those only here)."""
+        base = self.base or _Terms(self.sizes)
+        keys = [*base.terms, *(k for k in self.terms if k not in base.terms)]
+        made = [self._freeze(k) if k in self.terms else base._freeze(k) for k in keys]
         return IntraOpProblem(
             node_cost=tuple(cost),
             node_memory=tuple(mem),
-            edges=(*p.edges, *edges),
+            edges=(*p.edges, *(e for e in made if isinstance(e, Edge))),
             memory_limit=p.memory_limit,
             time_limit_s=p.time_limit_s,
-            gated=(*p.gated, *gated),
+            gated=(*p.gated, *(e for e in made if isinstance(e, GatedEdge))),
         )
+
+    def _freeze(self, key: tuple[int, ...]) -> Edge | GatedEdge | None:
+        """The term as the problem holds it (None where it is all zeros), made once."""
+        if key not in self._frozen:
+            c, m = self.terms[key]
+            frozen = None
+            if any(x for r in (*c, *m) for x in r):
+                cost, mem = tuple(map(tuple, c)), tuple(map(tuple, m))
+                frozen = Edge(*key, cost, mem) if len(key) == 2 else GatedEdge(*key, cost, mem)
+            self._frozen[key] = frozen
+        return self._frozen[key]
 
 
 def add_levers(
@@ -251,7 +254,7 @@ def add_levers_at_scales(
     for problem, comm_scale in problems:
         cost = [*problem.node_cost, *pins]
         mem = [*problem.node_memory, *[(0.0,) * len(CHOICES)] * len(layers)]
-        terms = priced.copy()
+        terms = priced.over()  # the recompute terms made once, shared by every scale
         _add_gathers(gathers, terms, comm_scale[0])
         out.append((terms.problem(problem, cost, mem), lv))
     return out
