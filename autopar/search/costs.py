@@ -395,19 +395,29 @@ class CostContext(EdgeMatrices, EdgeCollectives):
         if found is None:  # by content: the same specs of another node (a repeated block's)
             self._alive[id(s)], self._alive[id(src)] = s, src
             grad = self._grad_spec_at_consumer(dst, s)  # all `_edge_parts` reads of `s`
-            specs = (self._spec_number(src), self._spec_number(dst), self._spec_number(grad))
-            content = (
-                *specs,
-                edge.dims,
-                edge.itemsize,
-                edge.memo_weight,
-                edge.into_partial,
-                edge.transposed,
-            )
-            found = self._priced.get(content)
-            if found is None:
-                found = self._priced[content] = self._edge_parts(edge, specs, src, dst, grad)
-            self._parts[key] = found
+            numbers = (self._spec_number(src), self._spec_number(dst), self._spec_number(grad))
+            found = self._parts[key] = self._numbered_parts(edge, *numbers, src, s, pos)
+        return found
+
+    def _numbered_parts(self, edge: EdgeValue, n_src, n_dst, n_grad, src, s, pos: int):
+        """`_parts_of` by the numbers of the source spec, the spec input `pos` of `s`
+        wants and its gradient's there (`_spec_number`), memoized by them."""
+        content = (
+            n_src,
+            n_dst,
+            n_grad,
+            edge.dims,
+            edge.itemsize,
+            edge.memo_weight,
+            edge.into_partial,
+            edge.transposed,
+        )
+        found = self._priced.get(content)
+        if found is None:
+            dst = s.inputs[pos]
+            grad = self._grad_spec_at_consumer(dst, s)
+            numbers = (n_src, n_dst, n_grad)
+            found = self._priced[content] = self._edge_parts(edge, numbers, src, dst, grad)
         return found
 
     def _edge_parts(self, edge: EdgeValue, specs, src, dst, grad) -> tuple[float, float]:

@@ -135,8 +135,13 @@ class EdgeMatrices:
             rows.setdefault(number, i)
         for j, numbers in enumerate(consumer_numbers):
             cols.setdefault(numbers, j)
-        if kind == "parts":
-            price = lambda i, j: self._parts_of(edge, srcs[i], ss[j], pos)  # noqa: E731
+        if kind == "parts":  # by the numbers already read: `_parts_of` without its keys
+
+            def price(i: int, j: int) -> tuple[float, float]:
+                numbers = consumer_numbers[j]
+                if srcs[i] is None or numbers is None:
+                    return 0.0, 0.0
+                return self._numbered_parts(edge, src_numbers[i], *numbers, srcs[i], ss[j], pos)
         else:
             price = lambda i, j: self.sync_weight(op, srcs[i], v, ss[j], pos)  # noqa: E731
         table = {(a, b): price(i, j) for a, i in rows.items() for b, j in cols.items()}
