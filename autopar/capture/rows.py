@@ -19,9 +19,9 @@ with a symbolic batch fails or specializes it (a hard-coded `view(16, ...)`, a b
 the batch size), rows of 1 where an op's shapes differ there (the symbol is exported as
 at least 2, so a `squeeze` of the batch dim was traced as keeping it: `shapes_hold` runs
 every op again on the evaluated values, ~0.1 s against a trace's ~1 s), rows above the
-first call's, other shapes than the first call's beyond dim 0, or another root. A template only prices: the final plan's graph is built from the
-winner's template and checked against a concrete trace of three blocks
-(`Template._repeats`), or traced.
+first call's, other shapes than the first call's beyond dim 0, or another root. A
+template only prices: the final plan's graph is built from the winner's template and
+checked against a concrete trace of three blocks (`Template._repeats`), or traced.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
-from autopar._compat import FakeTensorMode
+from autopar._compat import FakeTensorMode, detect_fake_mode
 from autopar.capture.export import Traced, _WithLoss, decompositions, trace
 
 SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -126,7 +126,7 @@ def shapes_hold(traced: Traced) -> bool:
             continue
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
         try:
-            with _fake_mode(node.meta.get("val")) or contextlib.nullcontext():
+            with detect_fake_mode(node.meta.get("val")) or contextlib.nullcontext():
                 got = node.target(*args, **kwargs)
         except Exception:  # noqa: BLE001 - an op that does not run at these rows
             return False
@@ -141,13 +141,6 @@ def _shapes(val) -> object:
     if isinstance(val, (list, tuple)):
         return tuple(_shapes(v) for v in val)
     return None
-
-
-def _fake_mode(val):
-    """The fake mode of the first fake tensor in `val`, None if it holds none."""
-    if isinstance(val, (list, tuple)):
-        return next(filter(None, map(_fake_mode, val)), None)
-    return getattr(val, "fake_mode", None)
 
 
 def _trace_symbolic(root: torch.nn.Module, args: Sequence, rows: int) -> Traced | None:

@@ -53,6 +53,7 @@ from autopar.capture.export import layer_of
 from autopar.capture.operands import tensor_operands
 from autopar.capture.recompute_policy import recomputed
 from autopar.cost_models.memory import local_shape
+from autopar.cost_models.reshard import same_spec
 from autopar.passes.strategies.rules.attention import valid_ring
 from autopar.passes.strategies.rules.random_ops import whole_draw_bytes
 from autopar.plan import MEMORY_CATEGORIES as CATEGORIES
@@ -167,8 +168,8 @@ class _Step:
         return self.output_spec(node, index)
 
     def redistributed(self, n: fx.Node, pos: int, op) -> bool:
-        pairs = self._placement_pairs(n, pos, op)
-        return any(a != b and not (a.is_partial() and b.is_partial()) for a, b in pairs)
+        specs = self._specs(n, pos, op)
+        return specs is not None and not same_spec(*specs)
 
     def gradient_moved(self, n: fx.Node, pos: int, op) -> bool:
         """Whether the backward of input `pos`'s redistribution moves its gradient: not
@@ -176,17 +177,17 @@ class _Step:
         gradient stays Replicate, or Partial where the consumer splits, DTensor's
         `Redistribute.backward`), only where a source axis was split or replicated and the
         consumer wanted it otherwise."""
-        pairs = self._placement_pairs(n, pos, op)
-        return any(not a.is_partial() and a != b for a, b in pairs)
+        specs = self._specs(n, pos, op)
+        return specs is not None and any(
+            not a.is_partial() and a != b for a, b in zip(*specs, strict=True)
+        )
 
-    def _placement_pairs(self, n: fx.Node, pos: int, op) -> list[tuple]:
-        """Per mesh axis, (the value's placement, the one input `pos` of `n` wants); none
-        where either spec is unknown."""
+    def _specs(self, n: fx.Node, pos: int, op) -> tuple | None:
+        """(the value's spec, the one input `pos` of `n` wants); None where either is
+        unknown."""
         dst = self.input_spec(n, pos)
         src = self.node_spec(*self.value(op))
-        if dst is None or src is None:
-            return []
-        return list(zip(src, dst, strict=True))
+        return None if dst is None or src is None else (src, dst)
 
     def layout(self) -> None:
         """Storage keys of every input and output, and when each storage dies."""
