@@ -6,6 +6,7 @@ import itertools
 import math
 import random
 
+import numpy as np
 import pytest
 
 from autopar.search import (
@@ -429,6 +430,49 @@ def test_elimination_breaks_a_tie_towards_the_assignment_that_fits() -> None:
     p = _problem([[1, 1], [0, 0]], [[5, 1], [1, 1]], [(0, 1, ((0, 0), (0, 0)))], limit=3.0)
     settled = _settle(p)
     assert settled is not None and settled.optimal and settled.choices[0] == 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_elimination_by_choice_equals_the_whole_bucket(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Large separators are minimised one choice at a time (`_least_by_choice`): the same
+    messages and argmin tables, ties to the first choice, as summing the whole bucket;
+    and a branch's walk stopped by an earlier branch's answer settles the same."""
+    from autopar.search import elimination
+
+    p = _lever_problem(seed)
+    red = _reduce_of(p)
+    fs = elimination._factors(red)
+    order = elimination._order(fs)
+    for lam in (0.0, 0.3):
+        factors = {s: np.round(v, 1) for s, v in fs.at(lam).items()}  # ties on purpose
+        monkeypatch.setattr(elimination, "_BY_CHOICE", 10**9)
+        whole, _ = elimination._eliminate(factors, fs.sizes, order, keep_buckets=False)
+        monkeypatch.setattr(elimination, "_BY_CHOICE", 1)
+        by_choice, _ = elimination._eliminate(factors, fs.sizes, order, keep_buckets=False)
+        assert len(whole) == len(by_choice)
+        for (i, rest, a), (j, rest_b, b) in zip(whole, by_choice, strict=True):
+            assert (i, rest) == (j, rest_b) and np.array_equal(a, b)
+    settled = _settle(p)
+    bounded = elimination._bounded
+    monkeypatch.setattr(  # every branch walks to its end
+        elimination, "_bounded", lambda *args, beaten=math.inf: bounded(*args[:5])
+    )
+    unstopped = _settle(p)
+    assert (settled is None) == (unstopped is None)
+    if settled is not None:
+        assert (settled.choices, settled.optimal, settled.keep) == (
+            unstopped.choices,
+            unstopped.optimal,
+            unstopped.keep,
+        )
+
+
+def _reduce_of(p: IntraOpProblem):
+    from autopar.search.ilp import _reduce
+
+    return _reduce(p)
 
 
 @pytest.mark.parametrize("cap", ["MAX_BUCKET", "MAX_BUCKETS"])
