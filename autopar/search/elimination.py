@@ -134,9 +134,11 @@ def settle(p: IntraOpProblem, red: _Reduced, rel_gap: float) -> Settled | None:
     # holds nothing better, and the answer (and what variable fixing keeps) is the same
     floor = min((_floor(fs) for _, fs in restricted), default=math.inf)
     branches: list[_Branch] = []
+    orders: dict = {}
     for pinned, fs in restricted:
         answers = [b.best[0] for b in branches if b.best is not None]
-        b = _bounded(p, red, fs, pinned, rel_gap, _upper(min(answers, default=math.inf), floor))
+        beaten = _upper(min(answers, default=math.inf), floor)
+        b = _bounded(p, red, fs, pinned, rel_gap, beaten, orders)
         if b is None:
             return None
         branches.append(b)
@@ -191,11 +193,17 @@ def _bounded(
     pinned: dict[int, int],
     rel_gap: float,
     beaten: float = math.inf,
+    orders: dict | None = None,
 ) -> _Branch | None:
     """Steps 1-2 of the module docstring on one branch: `fs`, the factors with the free
     decisions of `pinned` fixed at those positions (None: a bucket too large); its walk
-    stops once its bound passes `beaten` (it can hold no answer below it)."""
-    order = _order(fs)
+    stops once its bound passes `beaten` (it can hold no answer below it). `orders`: the
+    elimination orders of the branches before it, by their structure."""
+    orders = {} if orders is None else orders
+    key = (tuple(fs.cost), tuple(fs.sizes.items()))  # all `_order` reads: branches share it
+    if key not in orders:
+        orders[key] = _order(fs)
+    order = orders[key]
     if order is None:
         return None
     limit = p.memory_limit
