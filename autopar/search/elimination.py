@@ -5,9 +5,10 @@ objective (Lagrangian relaxation, ``cost + lam * memory``).
 A sharding problem's graph is nearly a chain: a block's decisions talk to their neighbours
 along the residual stream and the attention / MLP branches, plus one gate (a layer's
 recompute or reshard decision) on the blocks' three-way terms. Eliminated in a weighted
-min-fill order (`_order`), a Llama-3-8B template's widest bucket holds ~5M entries and one
-elimination takes ~0.1-0.3 s of numpy, where HiGHS's LP relaxation of the same problem
-(~40k variables: one per pair of choices on each edge) takes ~0.6 s and a MIP 2-4 s.
+min-fill order (`_order`), a Llama-3-8B template's buckets hold ~5M entries in all (the
+widest ~0.8M) and one elimination of a hub's branch takes ~0.02 s of numpy, where HiGHS's
+LP relaxation of the same problem (~40k variables: one per pair of choices on each edge)
+takes ~0.6 s and a MIP 2-4 s.
 
 `settle` answers what it can prove and narrows the rest for the MIP (`ilp.solve_intra_op`):
 
