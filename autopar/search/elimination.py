@@ -400,9 +400,7 @@ def _eliminate(
             total = np.zeros([sizes[d] for d in scope])
             for s, v, _ in held:  # summed in place: a bucket is up to MAX_BUCKET entries
                 total += _broadcast(v, s, scope)
-            best = np.expand_dims(np.argmin(total, axis=axis), axis)
-            message = np.take_along_axis(total, best, axis).squeeze(axis)
-            best = best.squeeze(axis)
+            best, message = total.argmin(axis=axis), total.min(axis=axis)  # the same values
             if keep_buckets:
                 buckets[i] = (scope, rest, held, total)
         else:  # the argmin is read when backtracking, from the held factors
