@@ -198,7 +198,8 @@ def _bounded(
 ) -> _Branch | None:
     """Steps 1-2 of the module docstring on one branch: `fs`, the factors with the free
     decisions of `pinned` fixed at those positions (None: a bucket too large); its walk
-    stops once its bound passes `beaten` (it can hold no answer below it). `orders`: the
+    stops once its bound passes `beaten` (it can hold no answer below it), and does not
+    start where its floor already does. `orders`: the
     elimination orders of the branches before it, by their structure."""
     orders = {} if orders is None else orders
     key = (tuple(fs.cost), tuple(fs.sizes.items()))  # all `_order` reads: branches share it
@@ -210,6 +211,9 @@ def _bounded(
     limit = p.memory_limit
     floor = _floor(fs)
     branch = _Branch(fs, order, pinned, floor)
+    if floor > beaten:  # even the least of every factor cannot beat an earlier answer
+        branch.bound = floor
+        return branch
 
     def run(lam: float):
         steps, _ = _eliminate(fs.at(lam), fs.sizes, order, keep_buckets=False)
