@@ -469,6 +469,51 @@ def test_elimination_by_choice_equals_the_whole_bucket(
         )
 
 
+def test_a_branch_whose_floor_passes_an_earlier_answer_is_not_eliminated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The hub's last choice made dear (its floor, the least of every factor, above any
+    answer of the other branches): that branch is bounded by its floor without any
+    elimination, and `settle` answers as when every branch is eliminated."""
+    from dataclasses import replace
+
+    from autopar.search import elimination
+
+    for seed in range(12):
+        p = _lever_problem(seed)
+        hub = elimination._hub(_reduce_of(p))
+        if hub is not None:
+            break
+    dear = [list(c) for c in p.node_cost]
+    dear[hub][-1] += 100.0  # and no memory limit: the first branch's least cost is an answer
+    p = replace(p, node_cost=tuple(map(tuple, dear)), memory_limit=INF)
+    last = {hub: len(dear[hub]) - 1}
+    branch, runs = [None], []  # the branch being bounded; the branch of each elimination
+    bounded, eliminate = elimination._bounded, elimination._eliminate
+
+    def bounded_in(*args, every=False, **kw):
+        branch[0] = args[3]
+        return bounded(*args[:5]) if every else bounded(*args, **kw)
+
+    monkeypatch.setattr(elimination, "_bounded", bounded_in)
+    monkeypatch.setattr(
+        elimination, "_eliminate", lambda *a, **kw: runs.append(branch[0]) or eliminate(*a, **kw)
+    )
+    settled = _settle(p)
+    assert last not in runs and runs
+    runs.clear()
+    monkeypatch.setattr(  # every branch eliminated, its walk not stopped
+        elimination, "_bounded", lambda *args: bounded_in(*args, every=True)
+    )
+    every = _settle(p)
+    assert last in runs
+    assert (settled.choices, settled.optimal, settled.keep) == (
+        every.choices,
+        every.optimal,
+        every.keep,
+    )
+
+
 def _reduce_of(p: IntraOpProblem):
     from autopar.search.ilp import _reduce
 
