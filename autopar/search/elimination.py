@@ -251,8 +251,9 @@ def _choices(red: _Reduced, pos: dict[int, int]) -> tuple[int, ...]:
 def _walk(run, limit: float, first, best=None, beaten: float = math.inf):
     """The cutting-plane walk over lam from `first` (lam = 0, not fitting): lam grows
     10x until an assignment fits, then each next lam is where the lines of the last
-    fitting and the last unfitting answers cross, until the bound passes `beaten`. Returns (best lam, its bound, the best
-    fitting (cost, memory, choices), `best` if none beats it, or None)."""
+    fitting and the last unfitting answers cross, until the bound passes `beaten`.
+    Returns (best lam, its bound, the best fitting (cost, memory, choices), `best` if none
+    beats it, or None)."""
     lo, lam = first, max(abs(first[0]), 1e-30) / max(first[1], 1.0) * 1e-3
     best_lam, best_bound, steps = 0.0, first[0], 0  # L(0): the least cost
     hi = None
@@ -404,12 +405,12 @@ def _eliminate(
             total = np.zeros([sizes[d] for d in scope])
             for s, v, _ in held:  # summed in place: a bucket is up to MAX_BUCKET entries
                 total += _broadcast(v, s, scope)
-            best, message = total.argmin(axis=axis), total.min(axis=axis)  # the same values
+            argmin, message = total.argmin(axis=axis), total.min(axis=axis)  # the same values
             if keep_buckets:
                 buckets[i] = (scope, rest, held, total)
         else:  # the argmin is read when backtracking, from the held factors
-            message, best = _least_by_choice(held, i, rest, sizes), held
-        steps.append((i, rest, best))
+            argmin, message = held, _least_by_choice(held, i, rest, sizes)
+        steps.append((i, rest, argmin))
         if not rest and not np.isfinite(message):
             return None, buckets
         pending.append((rest, message, i))
