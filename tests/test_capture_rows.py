@@ -1,11 +1,14 @@
 """One trace for every microbatch size (`autopar.capture.rows`) gives the graphs tracing gives.
 
-The layout search captures a template at every microbatch count's rows; `AnyRows` exports
-the model once with the batch dim symbolic and evaluates the graph at each size. The graph
-it makes at a size must be the one `torch.export` traces at that size: the same nodes,
-names, ops, arguments, shapes and metadata, the same fingerprint, at one row too. Where
-that cannot hold (a model that does not export with a symbolic batch, an op that drops a
-dim of one row, rows above the first call's) it traces as given.
+The layout search captures a template at every microbatch count's rows; `AnyRows` traces
+the model at the batch's rows and at half of them (in a forked process), pairs the two
+(`autopar.capture.affine_rows`: every size the same or on a line through them) and makes
+the graph at each size; where they do not pair it exports the model once with the batch
+dim symbolic and evaluates that graph. The graph it makes at a size must be the one
+`torch.export` traces at that size: the same nodes, names, ops, arguments, shapes and
+metadata, the same fingerprint, at one row too. Where that cannot hold (a model that
+traces neither way with its batch free, an op that drops a dim of one row, a size the
+batch clamps, rows above the first call's) it traces as given.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 from torch import nn
 
 from autopar.capture import capture
-from autopar.capture.rows import AnyRows, at_rows, shapes_hold
+from autopar.capture.rows import AnyRows, shapes_hold
 from autopar.capture.template import capture_template
 from samples import SAMPLES
 from tests.test_expand import _assert_same_graph, _hf_gpt2, _Residual
@@ -47,7 +50,7 @@ def test_the_graph_made_at_each_size_is_the_traced_one(case: str) -> None:
     for rows in (batch[0].shape[0], 2, 1):  # the first call exports, the others evaluate
         made = capture(model, _rows(batch, rows), loss_fn, tracer)
         _assert_same_graph(made, capture(model, _rows(batch, rows), loss_fn))
-    assert tracer.traced is not None and not tracer.failed, "the symbolic export was refused"
+    assert tracer.rows_of is not None, "the traces at 8 and 4 rows did not pair"
 
 
 def test_templates_at_each_size_are_the_traced_ones() -> None:
@@ -98,10 +101,52 @@ def test_a_graph_that_differs_at_one_row_and_rows_above_the_first_are_traced() -
     model, tracer = _Squeezes(), AnyRows()
     x = torch.randn(4, 4)
     capture(model, (x,), None, tracer)
-    assert tracer.traced is not None
-    assert not shapes_hold(at_rows(tracer.traced, 1))  # the symbol was exported as >= 2
+    assert tracer.rows_of is not None  # 4 and 2 rows paired
+    assert not shapes_hold(tracer.evaluated(1))  # the line through 4 and 2 keeps the dim
     one = capture(model, (x[:1],), None, tracer)
     assert one.loss_node.args[0].meta["val"].shape == (4,)
     _assert_same_graph(one, capture(model, (x[:1],)))
     more = torch.randn(6, 4)
     _assert_same_graph(capture(model, (more,), None, tracer), capture(model, (more,)))
+
+
+class _Clamped(nn.Module):
+    """A size the batch clamps: `x[:min(rows, 4)]` is 4 rows at 8 and at 4, 2 rows at 2."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.proj(x[: min(x.shape[0], 4)]).sum()
+
+
+def test_a_size_the_batch_clamps_is_traced_below_the_paired_rows() -> None:
+    model, tracer, x = _Clamped(), AnyRows(), torch.randn(8, 4)
+    capture(model, (x,), None, tracer)
+    assert tracer.rows_of is not None
+    assert not shapes_hold(tracer.evaluated(2))  # made: a slice of 4 rows out of 2
+    _assert_same_graph(capture(model, (x[:2],), None, tracer), capture(model, (x[:2],)))
+    _assert_same_graph(capture(model, (x[:6],), None, tracer), capture(model, (x[:6],)))
+
+
+class _Squared(nn.Module):
+    """A number that follows the rows off a line: the sum over rows * rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.proj(x).sum() / (x.shape[0] * x.shape[0])
+
+
+def test_a_number_off_a_line_is_not_made_from_two_traces() -> None:
+    """Two traces fit a line through any two values: a number (not a size) that differs
+    between them is not made from them; the symbolic export makes the graphs instead."""
+    model, tracer, x = _Squared(), AnyRows(), torch.randn(8, 4)
+    capture(model, (x,), None, tracer)
+    assert tracer.rows_of is None and tracer.traced is not None and not tracer.failed
+    for rows in (6, 3, 2):
+        made = capture(model, (x[:rows],), None, tracer)
+        _assert_same_graph(made, capture(model, (x[:rows],)))

@@ -1,27 +1,34 @@
-"""One trace for every microbatch size: the batch dim exported symbolic, made concrete per size.
+"""One trace for every microbatch size: two traces paired, or one with the batch dim symbolic.
 
     tracer = AnyRows()
-    traced = tracer(root, args)          # args of 16 rows: torch.export with dim 0 symbolic
-    traced = tracer(root, sliced_args)   # 8 rows: the same graph, its sizes evaluated at 8
+    traced = tracer(root, args)          # args of 16 rows: traced here, and at 8 rows on
+                                         # another core meanwhile
+    traced = tracer(root, sliced_args)   # 4 rows: the same graph, its sizes made at 4
 
 The layout search prices every microbatch count on a template captured at that count's
-rows, and each `torch.export` + decomposition takes ~0.6-1 s (Llama-3-8B's two-block
-template): five row counts cost as much as its ILPs. Exported once with dim 0 of every
-batch tensor as `torch.export.Dim` (rows 2 to the first call's), the graph holds the rows
-as a symbol; `at_rows` evaluates every size, stride and symbolic scalar of it at a row
-count (~0.05 s) and drops the nodes that computed them, which gives the graph a concrete
-trace at those rows gives (the same ops, arguments and shapes, so the same
-`export.graph_fingerprint` once finished: checked on every sample at 1 to 8 rows in
-tests/test_capture_rows.py).
+rows, and each `torch.export` + decomposition takes ~1 s (Llama-3-8B's two-block
+template): five row counts cost as much as its ILPs. The first call traces the batch's
+rows here and half of them in a forked process at the same time (two cores: ~1 s where
+one export with a symbolic batch takes ~2.3 s); where the two traces pair, every size of
+the graph is the same in both or on a line through them (`capture.affine_rows`), and
+`affine_rows.made_at` makes the graph at any rows (~0.04 s). Where they do not pair (a
+number that follows the rows off a line, another op at half the rows), the batch's rows
+are exported once more with dim 0 of every batch tensor as `torch.export.Dim` (rows 2 to
+the first call's): the graph holds the rows as a symbol, and `at_rows` evaluates every
+size, stride and symbolic scalar of it at a row count and drops the nodes that computed
+them. Either way the graph made at some rows is the one a trace at those rows gives (the
+same ops, arguments and shapes, so the same `export.graph_fingerprint` once finished:
+checked on every sample at 1 to 8 rows in tests/test_capture_rows.py).
 
-Where it cannot hold, the call traces as given (`export.trace`): a model whose export
-with a symbolic batch fails or specializes it (a hard-coded `view(16, ...)`, a branch on
-the batch size), rows of 1 where an op's shapes differ there (the symbol is exported as
-at least 2, so a `squeeze` of the batch dim was traced as keeping it: `shapes_hold` runs
-every op again on the evaluated values, ~0.1 s against a trace's ~1 s), rows above the
-first call's, other shapes than the first call's beyond dim 0, or another root. A
-template only prices: the final plan's graph is built from the winner's template and
-checked against a concrete trace of three blocks (`Template._repeats`), or traced.
+Where it cannot hold, the call traces as given (`export.trace`): a model that traces
+neither way with its batch's rows free (a hard-coded `view(16, ...)`, a branch on the
+batch size), rows where an op's shapes differ from those made (`shapes_hold` runs every
+op again on the made values, ~0.1 s against a trace's ~1 s: a `squeeze` of the batch dim
+at one row, which the symbol, exported as at least 2, and the line through two traces of
+more rows both keep; a size a line does not follow), rows above the first call's, other
+shapes than the first call's beyond dim 0, or another root. A template only prices: the
+final plan's graph is built from the winner's template and checked against a concrete
+trace of three blocks (`Template._repeats`), or traced.
 """
 
 from __future__ import annotations
@@ -34,21 +41,25 @@ import torch
 import torch.fx as fx
 
 from autopar._compat import FakeTensorMode, detect_fake_mode
+from autopar.capture.affine_rows import RowsOf, describe, made_at, paired
 from autopar.capture.export import Traced, _WithLoss, decompositions, trace
+from autopar.forked import Forked
 
 SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
 class AnyRows:
-    """`trace(root, args)` at any rows from one export of `root` with dim 0 symbolic (see
-    the module docstring for where it traces as given instead). One instance serves one
-    root: the model (and loss) of one search."""
+    """`trace(root, args)` at any rows from the first call's traces (see the module
+    docstring for where it traces as given instead). One instance serves one root: the
+    model (and loss) of one search."""
 
     def __init__(self) -> None:
-        self.traced: Traced | None = None
+        self.traced: Traced | None = None  # the first call's graph (concrete or symbolic)
         self.failed = False
+        # how `traced` follows the rows (two concrete traces paired); None: it is symbolic
+        self.rows_of: RowsOf | None = None
         self._key: tuple | None = None  # (root, shapes beyond dim 0 and dtypes of the args)
-        self._rows = 0  # the largest rows the symbol was exported for
+        self._rows = 0  # the first call's rows: the most any graph is made at
 
     def __call__(self, root: torch.nn.Module, args: Sequence) -> Traced:
         rows = _rows_of(args)
@@ -59,16 +70,60 @@ class AnyRows:
             if rows < 3:  # the symbol's range [2, rows] would be one size
                 return trace(root, args)
             self._key, self._rows = key, rows
+            first = self._paired_trace(root, args, rows)
+            if first is not None:
+                return first
             self.traced = _trace_symbolic(root, args, rows)
             self.failed = self.traced is None
             if self.failed:
                 return trace(root, args)
         if key != self._key or rows > self._rows:
             return trace(root, args)
-        made = at_rows(self.traced, rows)
-        if rows == 1 and not shapes_hold(made):  # an op that drops a dim of size 1
-            return trace(root, args)
+        if self.rows_of is not None and rows == self._rows:
+            return self.traced.copy()
+        made = self.evaluated(rows)
+        exact = self.rows_of is None and rows > 1  # the symbol's range: what export traced
+        if made is None or (
+            rows not in self._traced_rows() and not exact and not shapes_hold(made)
+        ):
+            return trace(root, args)  # an op that drops a dim of size 1, a size off a line
         return made
+
+    def evaluated(self, rows: int) -> Traced | None:
+        """The first call's graph at `rows`, unchecked (None: an integer of it is no whole
+        number there)."""
+        if self.rows_of is not None:
+            return made_at(self.traced, self.rows_of, rows)
+        return at_rows(self.traced, rows)
+
+    def _traced_rows(self) -> tuple[int, ...]:
+        return self.rows_of.rows if self.rows_of is not None else ()
+
+    def _paired_trace(self, root: torch.nn.Module, args: Sequence, rows: int) -> Traced | None:
+        """The trace at `rows`, paired with a trace at half of them made meanwhile in a
+        forked process (`capture.affine_rows`); None where they do not pair."""
+        half = rows // 2
+        if half < 2:
+            return None
+        helper = Forked.start(lambda: describe(trace(root, _first_rows(args, half))))
+        try:
+            traced = trace(root, args)
+        except BaseException:
+            helper.cancel()
+            raise
+        try:
+            other = helper.result()
+        except Exception:  # noqa: BLE001 - it does not trace at half the rows
+            return None
+        rows_of = paired(traced, rows, other, half)
+        if rows_of is None:
+            return None
+        self.traced, self.rows_of = traced.copy(), rows_of
+        return traced
+
+
+def _first_rows(args: Sequence, rows: int) -> tuple:
+    return tuple(a[:rows] if _batched(a) else a for a in args)
 
 
 def at_rows(traced: Traced, rows: int) -> Traced:

@@ -171,9 +171,9 @@ class _Check:
 def start_check(model: nn.Module, args: Sequence, loss_fn: Callable | None) -> _Check | None:
     """The three-block check of the template `capture_template(model, args, loss_fn)`
     will capture, started now in a forked process (None where nothing would be cut or no
-    process can be forked). The layout search's first seconds export its template on one
-    core (`capture.rows`); the check runs on another meanwhile, and a final plan built
-    from that template (`Template.adopt`) finds its answer waiting."""
+    process can be forked). The layout search's first second traces its template (twice,
+    on two cores: `capture.rows`); the check runs meanwhile, and a final plan built from
+    that template (`Template.adopt`) finds its answer waiting."""
     stack = block_stack(model)
     if stack is None or len(stack[1]) <= TEMPLATE_BLOCKS or not can_fork():
         return None
