@@ -150,3 +150,24 @@ def test_a_number_off_a_line_is_not_made_from_two_traces() -> None:
     for rows in (6, 3, 2):
         made = capture(model, (x[:rows],), None, tracer)
         _assert_same_graph(made, capture(model, (x[:rows],)))
+
+
+class _Branches(nn.Module):
+    """Another op above 4 rows: the traces at 8 and 4 rows differ in their ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.proj(x)
+        return (y.relu() if x.shape[0] > 4 else y).sum()
+
+
+def test_traces_whose_ops_differ_do_not_pair() -> None:
+    model, tracer, x = _Branches(), AnyRows(), torch.randn(8, 4)
+    capture(model, (x,), None, tracer)
+    assert tracer.rows_of is None
+    for rows in (6, 4, 2):
+        made = capture(model, (x[:rows],), None, tracer)
+        _assert_same_graph(made, capture(model, (x[:rows],)))
