@@ -61,7 +61,8 @@ class _NodeRef:
 
 @dataclass(frozen=True)
 class _Opaque:
-    """A value of another type, compared by its repr."""
+    """A value of another type (an unbacked symbol's, a slice): such a graph does not pair,
+    its values are not made (`_follow`)."""
 
     text: str
 
@@ -167,7 +168,7 @@ def _follow(x, y, span: tuple[int, int], sizes: bool):
     """`x` (at span[0] rows) and `y` (at span[1]) as one value of the rows: an int that
     differs becomes an `_Affine` where `sizes` (a size argument or a value's sizes and
     strides); anything else must be equal."""
-    if type(x) is not type(y):
+    if type(x) is not type(y) or isinstance(x, _Opaque):
         raise _Unpaired
     if isinstance(x, int) and not isinstance(x, bool) and x != y:
         if not sizes:
