@@ -9,12 +9,15 @@ that the whole graph built from the template is the model's (`Template._repeats`
 of three blocks, ~1 s on Llama-3-8B) would run on one core while the other idles. Forked,
 it runs beside the final plan's own work. Where this process cannot fork (`can_fork`) or
 the child fails, `fn` runs here when the answer is asked for: the same answer, later.
+`children_cpu()`: the CPU seconds the children whose answers were taken spent (a search's
+recording, `search.progress`, counts them in its total).
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import sys
+import time
 import traceback
 from collections.abc import Callable
 
@@ -28,6 +31,14 @@ def can_fork() -> bool:
     forks = sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
     daemonic = multiprocessing.current_process().daemon
     return forks and not daemonic and not torch.cuda.is_initialized()
+
+
+_children_cpu = [0.0]  # CPU seconds of the children whose answers `result` took
+
+
+def children_cpu() -> float:
+    """CPU seconds the forked children of this process spent on the answers taken here."""
+    return _children_cpu[0]
 
 
 class Forked:
@@ -56,7 +67,8 @@ class Forked:
         if self._conn is not None:
             conn, self._conn = self._conn, None
             try:
-                kind, value = conn.recv()
+                kind, value, cpu = conn.recv()
+                _children_cpu[0] += cpu
             except (EOFError, OSError):
                 kind, value = "failed", None
             finally:
@@ -77,9 +89,11 @@ class Forked:
 
 def _child(fn: Callable[[], object], conn) -> None:
     torch.set_num_threads(1)  # beside this process's own work
+    start = time.process_time()
     try:
-        conn.send(("ok", fn()))
+        value = fn()
+        conn.send(("ok", value, time.process_time() - start))
     except BaseException:  # noqa: BLE001 - the parent runs fn again and raises its error
-        conn.send(("failed", traceback.format_exc(limit=1)))
+        conn.send(("failed", traceback.format_exc(limit=1), time.process_time() - start))
     finally:
         conn.close()

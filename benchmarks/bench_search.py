@@ -11,8 +11,10 @@ sharding and memory levers); `--pipeline-stages 1` times the intra-op search alo
 exclusive: a nested phase's time is not its parent's; with the layout search's degrees
 priced on several processes, `search.workers`, a phase sums every process's time, so the
 phases can add up to more than the total); the "cpu" line under each row is the CPU
-seconds of this process and the search's forked ones, the figure to compare on a loaded
-machine. `AUTOPAR_SEARCH_PROCESSES=1` times the search on one process.
+seconds of this process and the search's forked ones (its pricing processes, and the
+`autopar.forked` children: the template's trace at half the rows, the three-block check;
+the total only, not per phase, and not before 2026-11-29's runs), the figure to compare
+on a loaded machine. `AUTOPAR_SEARCH_PROCESSES=1` times the search on one process.
 
 Rows (the issue's goals on a 2-core machine in brackets):
 - llama3-8b: Llama-3-8B, batch 16 x 8192, 64 H100 in 8 nodes (<= 5 s)

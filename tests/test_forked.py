@@ -51,3 +51,26 @@ def test_a_cancelled_child_is_stopped() -> None:
     call = Forked.start(lambda: time.sleep(60))
     call.cancel()
     assert not call._process.is_alive()
+
+
+def _spin(seconds: float) -> int:
+    import time
+
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+    return os.getpid()
+
+
+def test_a_recording_counts_the_cpu_of_the_answers_it_took() -> None:
+    """A search's CPU seconds (`search.progress`, the bench's "cpu" line) include the work
+    its `Forked` children did for it (a template's other trace, the three-block check)."""
+    if not forked.can_fork():
+        pytest.skip("this platform does not fork")
+    from autopar.search import progress
+
+    before = forked.children_cpu()
+    with progress.recording() as rec:
+        assert Forked.start(lambda: _spin(0.3)).result() != os.getpid()
+    assert forked.children_cpu() - before >= 0.3
+    assert rec.total_cpu >= 0.3  # this process only waited

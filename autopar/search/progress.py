@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from autopar.forked import children_cpu
+
 PHASES = ("capture", "strategies", "costs", "ILP", "layout search", "assembly")
 
 
@@ -38,6 +40,10 @@ class Recording:
     started_cpu: float = field(default_factory=time.process_time)
     ended_cpu: float | None = None
     other_cpu: float = 0.0  # CPU seconds of the search's forked processes (`absorb`)
+    # and of the `autopar.forked` children whose answers it took (a template's other trace,
+    # the three-block check): `children_cpu` at the start and the end
+    started_children: float = field(default_factory=children_cpu)
+    ended_children: float | None = None
     # [name, start, time in children, CPU start, CPU time in children]
     _stack: list[list] = field(default_factory=list)
 
@@ -47,7 +53,10 @@ class Recording:
 
     @property
     def total_cpu(self) -> float:
-        return (self.ended_cpu or time.process_time()) - self.started_cpu + self.other_cpu
+        children = (self.ended_children or children_cpu()) - self.started_children
+        return (
+            (self.ended_cpu or time.process_time()) - self.started_cpu + self.other_cpu + children
+        )
 
     def _notify(self, event: str) -> None:
         if self.listener is not None:
@@ -66,6 +75,7 @@ def recording(listener: Callable[[Recording, str], None] | None = None) -> Itera
     finally:
         rec.ended = time.perf_counter()
         rec.ended_cpu = time.process_time()
+        rec.ended_children = children_cpu()
         _active.remove(rec)
 
 
