@@ -82,10 +82,7 @@ class AnyRows:
         if self.rows_of is not None and rows == self._rows:
             return self.traced.copy()
         made = self.evaluated(rows)
-        exact = self.rows_of is None and rows > 1  # the symbol's range: what export traced
-        if made is None or (
-            rows not in self._traced_rows() and not exact and not shapes_hold(made)
-        ):
+        if made is None or (self._unchecked(rows) and not shapes_hold(made)):
             return trace(root, args)  # an op that drops a dim of size 1, a size off a line
         return made
 
@@ -96,8 +93,12 @@ class AnyRows:
             return made_at(self.traced, self.rows_of, rows)
         return at_rows(self.traced, rows)
 
-    def _traced_rows(self) -> tuple[int, ...]:
-        return self.rows_of.rows if self.rows_of is not None else ()
+    def _unchecked(self, rows: int) -> bool:
+        """Whether the graph made at `rows` is not what a trace gave: rows other than the two
+        traced ones; rows of 1 below the symbol's range [2, first call's rows]."""
+        if self.rows_of is not None:
+            return rows not in self.rows_of.rows
+        return rows == 1
 
     def _paired_trace(self, root: torch.nn.Module, args: Sequence, rows: int) -> Traced | None:
         """The trace at `rows`, paired with a trace at half of them made meanwhile in a

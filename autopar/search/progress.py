@@ -53,7 +53,8 @@ class Recording:
 
     @property
     def total_cpu(self) -> float:
-        children = (self.ended_children or children_cpu()) - self.started_children
+        ended = children_cpu() if self.ended_children is None else self.ended_children
+        children = ended - self.started_children
         return (
             (self.ended_cpu or time.process_time()) - self.started_cpu + self.other_cpu + children
         )
