@@ -297,6 +297,35 @@ def test_divisibility_heads_loss(gqa: Case) -> None:
     assert any(s.outputs[0] == (Partial("avg"), Replicate()) for s in nll)
 
 
+class ShiftedLabels(nn.Module):
+    """Hugging Face's causal-LM loss: the labels padded and shifted along the sequence, so
+    a one-row batch's target can only be replicated while the logits split by token."""
+
+    def __init__(self, vocab: int = 64, d: int = 32) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(vocab, d), nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.emb(idx))
+        labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.reshape(-1))
+
+
+def test_a_loss_whose_target_has_fewer_candidates(mesh: DeviceMesh) -> None:
+    # DTensor's nll_loss rule pairs its input's and target's candidates by index; offered
+    # more for the input than for the target it indexed past the target's (IndexError,
+    # `autopar plan` on Qwen2 at one row per microbatch): each pair is asked apart instead
+    idx = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
+    case = Case(ShiftedLabels(), (idx, idx.clone()), mesh)
+    node = case.first("nll_loss_forward")
+    logits, target = (a for a in node.args[:2])
+    assert len({s.outputs[0] for s in case.table[logits]}) > len(
+        {s.outputs[0] for s in case.table[target]}
+    )
+    by_token = {s.inputs[0] for s in case.table[node]}
+    assert (Shard(0), Replicate()) in by_token and (Replicate(), Replicate()) in by_token
+
+
 def test_str() -> None:
     s = NodeStrategy(
         ((Shard(0), Replicate()), None, (Replicate(), Partial())), ((Shard(1), Shard(0)),)

@@ -320,12 +320,14 @@ def _call_op_strategy(
 
 
 def _op_specs(node: fx.Node, mesh: DeviceMesh, func: Callable, cands: Candidates) -> list[OpSpec]:
-    """Call ``func`` with every input's candidates at once; if it fails (some functions
-    zip their inputs' candidate lists), once per combination of single candidates, as
-    DTensor does at run time (up to ``MAX_COMBOS`` combinations)."""
+    """Call ``func`` with every input's candidates at once; if it fails, once per
+    combination of single candidates, as DTensor does at run time (up to ``MAX_COMBOS``
+    combinations). Some functions zip their inputs' candidate lists (`nll_loss_forward`
+    reads the target's candidate at each of the input's indices): offered fewer for one
+    input than for another, they index past its list, an IndexError that says only that."""
     try:
         return _call_op_strategy(node, mesh, func, cands)
-    except NO_STRATEGY_ERRORS:
+    except (*NO_STRATEGY_ERRORS, IndexError):
         pass  # retried below with one candidate per input
     inputs = list(dict.fromkeys(cands))
     found: list[OpSpec] = []
