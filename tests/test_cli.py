@@ -17,7 +17,10 @@ import torch
 from typer.testing import CliRunner
 
 from autopar.cli import app
+from autopar.cli.args import ERROR_DIR
+from autopar.cli.commands import rank_errors
 from autopar.cli.sources import load_model
+from autopar.devices import free_port
 from autopar.plan import Plan
 from autopar.views import (
     BenchRow,
@@ -378,3 +381,30 @@ def test_run_matches_single_device() -> None:
     worst = re.search(r"^max \|loss - single-device\| = (\S+)$", proc.stdout, re.M)
     assert worst is not None, proc.stdout
     assert float(worst.group(1)) < 1e-5
+
+
+def test_a_rank_stopped_by_the_planner_says_why_once(tmp_path: Path) -> None:
+    """A worker of `autopar run` whose compile fails writes the planner's message for the
+    command to print (not a traceback per rank) and exits non-zero; messages that differ
+    between ranks are each printed once with their ranks."""
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        ERROR_DIR: str(tmp_path),
+    }
+    args = ["--model", "gpt", "--mesh", "1", "--axis-names", "dp", "--steps", "1"]
+    args += ["--pipeline-stages", "2", "--backend", "gloo"]
+    cmd = [sys.executable, "-m", "autopar.cli.worker", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    said = rank_errors(tmp_path)
+    assert "pipeline_stages=2 does not divide the first mesh axis" in said, said
+    (tmp_path / "rank1.txt").write_text(said)
+    (tmp_path / "rank2.txt").write_text("another")
+    assert rank_errors(tmp_path).splitlines() == [f"ranks 0, 1: {said}", "ranks 2: another"]

@@ -18,6 +18,8 @@ from autopar.plan import SCHEDULES
 from autopar.planning import searches_layout
 from autopar.search.pins import ROLES
 
+ERROR_DIR = "AUTOPAR_ERROR_DIR"  # where `autopar run`'s ranks write the error they stop on
+
 
 def fail(message: str, code: int = 2) -> NoReturn:
     """One line on stderr, no traceback."""

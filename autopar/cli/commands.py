@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 
 from autopar.cli.args import (
+    ERROR_DIR,
     BackendOpt,
     BatchOpt,
     CheckpointingOpt,
@@ -232,11 +233,29 @@ def run_cmd(
             "TMPDIR": tmp,
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         }
+        errors = Path(tmp, "errors")
+        errors.mkdir()
+        env[ERROR_DIR] = str(errors)
         sys.stdout.flush()
         rc = subprocess.run(launch_command(nproc, args), env=env, check=False).returncode
+        stopped_on = rank_errors(errors)
     if rc != 0:
+        if stopped_on:  # the ranks' own words (`worker.report`), once for all that said them
+            fail(stopped_on, code=rc)
         typer.echo(f"error: autopar run failed (torchrun exit code {rc})", err=True)
         raise typer.Exit(rc)
+
+
+def rank_errors(folder: Path) -> str:
+    """The errors the ranks stopped on (`autopar.cli.worker.report`), each once with the
+    ranks that raised it; "" where none wrote one."""
+    by_message: dict[str, list[int]] = {}
+    for f in sorted(folder.glob("rank*.txt"), key=lambda f: int(f.stem[4:])):
+        by_message.setdefault(f.read_text(), []).append(int(f.stem[4:]))
+    return "\n".join(
+        f"ranks {', '.join(map(str, ranks))}: {message}" if len(by_message) > 1 else message
+        for message, ranks in by_message.items()
+    )
 
 
 def bench_one(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import warnings
 from collections.abc import Sequence
 
@@ -21,8 +22,10 @@ import torch
 import torch.distributed as dist
 
 import autopar
+from autopar.cli.args import ERROR_DIR
 from autopar.cli.sources import load_model
 from autopar.devices import bind_local_device, choose_backend
+from autopar.search.ilp import SolverTimeout
 from autopar.testing.reference import LR, train_single_device
 from autopar.views import summary, timeline_text
 
@@ -48,6 +51,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+class PlanError(Exception):
+    """What `autopar.compile` raised on this rank (`train`): its message is the user's
+    (a model it cannot trace, a pipeline that does not fit, memory no plan fits)."""
+
+
+def report(exc: PlanError, rank: int) -> None:
+    """The message in `$AUTOPAR_ERROR_DIR/rank{rank}.txt`, which `autopar run` prints once
+    for all ranks after torchrun exits; on stderr where no directory is given."""
+    folder = os.environ.get(ERROR_DIR)
+    if folder:
+        with open(os.path.join(folder, f"rank{rank}.txt"), "w") as f:
+            f.write(str(exc))
+    else:
+        print(f"error: rank {rank}: {exc}", file=sys.stderr, flush=True)
+
+
 def train(args: argparse.Namespace, rank: int) -> None:
     model, batch = load_model(args.model, args.config, args.batch_size)
     mp = args.mixed_precision
@@ -56,24 +75,10 @@ def train(args: argparse.Namespace, rank: int) -> None:
         if rank == 0
         else []
     )
-    mesh = tuple(int(s) for s in args.mesh.lower().split("x"))
-    strategy = tuple(args.strategy.split(","))
-    cluster = autopar.Cluster.local(mesh=mesh, axis_names=tuple(args.axis_names.split(",")))
-    pm = autopar.compile(
-        model,
-        batch,
-        cluster=cluster,
-        strategy=strategy[0] if len(strategy) == 1 else strategy,
-        optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
-        plan=args.plan,
-        pipeline_stages=args.pipeline_stages,
-        microbatches=args.microbatches,
-        schedule=args.schedule,
-        mixed_precision=mp,
-        shard_optimizer=args.shard_optimizer or args.shard_gradients,
-        shard_gradients=args.shard_gradients,
-        activation_checkpointing=args.activation_checkpointing,
-    )
+    try:
+        pm = compile_model(args, model, batch)
+    except (ValueError, SolverTimeout) as exc:  # the planner's and capture's errors
+        raise PlanError(str(exc).strip()) from exc
     if rank == 0:
         print(summary(pm.plan), flush=True)
         if pm.plan.pipeline is not None:
@@ -93,6 +98,28 @@ def train(args: argparse.Namespace, rank: int) -> None:
         print(f"max |loss - single-device| = {worst:.1e}", flush=True)
 
 
+def compile_model(args: argparse.Namespace, model: torch.nn.Module, batch: tuple):
+    """`autopar.compile` of the model as the arguments ask."""
+    mesh = tuple(int(s) for s in args.mesh.lower().split("x"))
+    strategy = tuple(args.strategy.split(","))
+    cluster = autopar.Cluster.local(mesh=mesh, axis_names=tuple(args.axis_names.split(",")))
+    return autopar.compile(
+        model,
+        batch,
+        cluster=cluster,
+        strategy=strategy[0] if len(strategy) == 1 else strategy,
+        optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR),
+        plan=args.plan,
+        pipeline_stages=args.pipeline_stages,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+        mixed_precision=args.mixed_precision,
+        shard_optimizer=args.shard_optimizer or args.shard_gradients,
+        shard_gradients=args.shard_gradients,
+        activation_checkpointing=args.activation_checkpointing,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -103,6 +130,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         train(args, dist.get_rank())
         dist.barrier()
+    except PlanError as exc:  # a message for the user, not a traceback per rank
+        report(exc, dist.get_rank())
+        raise SystemExit(1) from None
     finally:
         dist.destroy_process_group()
 
