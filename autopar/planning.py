@@ -37,6 +37,8 @@ from autopar.capture.template import BUILT, Template, template_of
 from autopar.cluster import PRESETS, Cluster, with_pipeline_axis
 from autopar.options import MIXED_PRECISION, PlanOptions
 from autopar.passes.fusion import fuse_regions
+from autopar.passes.strategies.from_dtensor import source_line
+from autopar.passes.strategies.rules.random_ops import random_draws
 from autopar.plan import SCHEDULES, FusedRegion, Plan
 from autopar.runtime.pipeline_model import SmallerMicrobatches
 from autopar.search.inter_op import PipelineOptions
@@ -217,8 +219,23 @@ def check_pipelines_take(captured: Captured) -> None:
     """A model that updates buffers in forward is not pipelined: a pipeline runs the
     forward once per microbatch, so training-mode BatchNorm would normalize each microbatch
     by its own statistics and update the running statistics once per microbatch, which is
-    not what one forward over the batch computes. (The layout search leaves pipelines out
-    for such models; this names the fix when a pipeline is asked for.)"""
+    not what one forward over the batch computes. Nor is one that draws random numbers
+    (dropout): each stage draws on its own ranks, from the generator every rank holds in
+    the state the single-device run starts from, once per microbatch, so the stages would
+    repeat each other's masks instead of drawing the batch's. (The layout search leaves
+    pipelines out for such models; this names the fix when a pipeline is asked for.)"""
+    draws = random_draws(captured.gm)
+    if draws:
+        first = draws[0]
+        raise ValueError(
+            f"the model draws random numbers in forward ({len(draws)} ops, the first "
+            f"{first.target}{source_line(first)}): dropout masks or random fills. A "
+            "pipeline runs the forward once per microbatch, each stage on its own ranks, so "
+            "its draws would not be those of one forward over the batch (the stages would "
+            "repeat each other's masks). Fix: plan without pipeline stages "
+            "(pipeline_stages=1; the default search does), or set the dropout "
+            "probabilities to 0."
+        )
     if captured.mutated_buffers:
         names = [captured.buffers[n] for n in captured.mutated_buffers]
         raise ValueError(

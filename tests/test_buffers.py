@@ -8,7 +8,8 @@
 * ``eval()`` BatchNorm uses the running statistics (elementwise, nothing mutated).
 * An in-place update of a user input is refused at capture with the fix.
 * A pipeline is refused for such a model (per-microbatch BatchNorm statistics are not the
-  batch's), with the fix, at planning time.
+  batch's), with the fix, at planning time; so it is for a model that draws random numbers
+  (dropout: the stages would repeat each other's masks).
 """
 
 from __future__ import annotations
@@ -135,3 +136,26 @@ def test_pipelines_refuse_models_that_update_buffers() -> None:
     cluster = autopar.Cluster.preset("cpu", mesh=(4,))
     with pytest.raises(ValueError, match=r"per-microbatch statistics.*pipeline_stages=1"):
         autopar.plan(model, batch_, cluster=cluster, pipeline_stages=2)
+
+
+def test_pipelines_refuse_models_that_draw_random_numbers() -> None:
+    """Each pipeline stage would draw its dropout masks on its own ranks, once per
+    microbatch, from the generator state every rank starts the step in: the stages would
+    repeat each other's masks. A pipeline asked for is refused with the op and the fix; the
+    layout search leaves pipelines out (GPT-2's dropout, attention's included)."""
+    from autopar.cli.sources import load_model
+    from autopar.passes.strategies.rules.random_ops import random_draws
+
+    model, batch_ = load_model("tests/models/hf_gpt2.py:build", "tiny", 8)
+    draws = random_draws(capture(model, batch_).gm)
+    assert {str(n.target) for n in draws} == {
+        "aten.native_dropout.default",
+        "aten.scaled_dot_product_attention.default",
+    }
+    cluster = autopar.Cluster.preset("cpu", mesh=(4,))
+    with pytest.raises(
+        ValueError, match=r"(?s)draws random numbers.*native_dropout.*pipeline_stages=1"
+    ):
+        autopar.plan(model, batch_, cluster=cluster, pipeline_stages=2)
+    plan = autopar.plan(model, batch_, cluster=cluster, pipeline_stages="auto")
+    assert plan.pipeline is None

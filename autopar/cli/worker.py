@@ -70,6 +70,9 @@ def report(exc: PlanError, rank: int) -> None:
 def train(args: argparse.Namespace, rank: int) -> None:
     model, batch = load_model(args.model, args.config, args.batch_size)
     mp = args.mixed_precision
+    # every rank's generator as it was before rank 0's reference and the planning drew from
+    # it: the parallel run draws the reference's dropout masks, on every rank alike
+    rng = torch.random.get_rng_state()
     ref = (
         train_single_device(model, batch, args.steps, grads=False, mixed_precision=mp).losses
         if rank == 0
@@ -79,6 +82,7 @@ def train(args: argparse.Namespace, rank: int) -> None:
         pm = compile_model(args, model, batch)
     except (ValueError, SolverTimeout) as exc:  # the planner's and capture's errors
         raise PlanError(str(exc).strip()) from exc
+    torch.random.set_rng_state(rng)
     if rank == 0:
         print(summary(pm.plan), flush=True)
         if pm.plan.pipeline is not None:

@@ -56,6 +56,7 @@ from autopar.capture.rows import AnyRows
 from autopar.capture.template import Template, capture_template, start_check
 from autopar.cluster import Cluster
 from autopar.cost_models import compute
+from autopar.passes.strategies.rules.random_ops import random_draws
 from autopar.plan import Plan
 from autopar.search import ahead, workers
 from autopar.search.costs import VIEW_OPS
@@ -311,9 +312,9 @@ def _search_layout(
     whole = pricer.template(rows)
     whole.adopt(check)
     layers = whole.total_layers or _captured_layers(pricer)
-    if layers < 2 or whole.captured.mutated_buffers:
-        pipeline_stages = 1  # nothing to cut, or per-microbatch BatchNorm statistics
-        # (planning.check_pipelines_take)
+    if layers < 2 or whole.captured.mutated_buffers or random_draws(whole.captured.gm):
+        pipeline_stages = 1  # nothing to cut, or per-microbatch BatchNorm statistics or
+        # dropout masks (planning.check_pipelines_take)
     candidates = candidate_layouts(cluster, rows, layers, pipeline_stages, microbatches)
     if not candidates:
         raise ValueError(

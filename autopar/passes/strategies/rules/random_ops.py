@@ -46,6 +46,19 @@ LIKES = (aten.rand_like.default, aten.randn_like.default)
 RANDOM_OPS = (DROPOUT, *FILLS, *LIKES)
 
 
+def random_draws(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes of `gm` that draw from the generator, in graph order: `RANDOM_OPS`, and
+    attention whose kernel drops probabilities (`dropout_p` > 0)."""
+    return [n for n in gm.graph.nodes if n.target in RANDOM_OPS or _drops_attention(n)]
+
+
+def _drops_attention(node: fx.Node) -> bool:
+    if node.target is not aten.scaled_dot_product_attention.default:
+        return False
+    p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    return isinstance(p, (int, float)) and p > 0
+
+
 def whole_draw_bytes(node: fx.Node) -> float:
     """Bytes a rank draws for a random op's node (0 for any other op): the whole tensor,
     whatever its placement. The search charges the part beyond the rank's shard."""
