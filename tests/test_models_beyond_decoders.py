@@ -13,6 +13,9 @@
   parallelism.
 * A mixture-of-experts layer that dispatches with ``F.one_hot``: the index-range check
   ``one_hot`` inserts (``aten._assert_async.msg``) is dropped at capture, never reaching a rank.
+* A Hugging Face Mixtral (``tests/models/hf_mixtral.py``) with its experts as gathers and
+  batched matmuls (``_experts_implementation = "batched_mm"``); with Hugging Face's default
+  (an opaque custom op) planning stops with the op, its line and that setting as the fix.
 
 All multi-process cases share one set of 4 ranks (tiny configs, 2 steps).
 """
@@ -33,6 +36,7 @@ from autopar.testing.parity import ParityCase, run_parity
 STEPS = 2
 MOE = f"{Path(__file__).resolve()}:build_moe"
 HF_GPT2 = "tests/models/hf_gpt2.py:build"
+HF_MIXTRAL = "tests/models/hf_mixtral.py:build"
 
 
 class OneHotMoE(nn.Module):
@@ -109,6 +113,7 @@ CASES = [
 ] + [
     ParityCase(MOE, *TWO_D, ("dp", "tp"), steps=STEPS),
     ParityCase(HF_GPT2, *TWO_D, ("dp", "tp"), steps=STEPS),
+    ParityCase(HF_MIXTRAL, *TWO_D, ("dp", "tp"), config="batched_mm", steps=STEPS),
 ]
 
 
@@ -136,3 +141,16 @@ def test_batch_norm_statistics_are_global(results) -> None:
     res = results[CASES[0].label]
     assert res.roles == {"dp": "dp"}, res.roles
     assert res.buffer_err <= 1e-5 < res.ddp_param_err, res
+
+
+def test_hugging_face_moe_names_its_fix() -> None:
+    """Hugging Face's default experts run `transformers::grouped_mm_fallback` (a custom op
+    no strategy covers): the error names the setting under which the same model plans."""
+    import autopar
+    from autopar.cli.sources import load_model
+    from autopar.passes.strategies.from_dtensor import UnsupportedOpError
+
+    model, batch = load_model(HF_MIXTRAL, "grouped_mm", 8)
+    cluster = autopar.Cluster.preset("cpu", mesh=(4,))
+    with pytest.raises(UnsupportedOpError, match=r"(?s)grouped_mm_fallback.*moe\.py.*batched_mm"):
+        autopar.plan(model, batch, cluster=cluster)

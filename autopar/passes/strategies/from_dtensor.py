@@ -142,14 +142,29 @@ class UnsupportedOpError(ValueError):
     """An op of the model has no sharding strategy (no autopar rule, nothing in DTensor)."""
 
 
+GENERIC_FIX = (
+    "write the model with ops DTensor supports, register a strategy for the op "
+    "(autopar.passes.strategies.register_rule and DTensor's register_op_strategy), or give "
+    "a custom op a decomposition into supported ops"
+)
+# opaque custom ops of libraries whose models have another way to run them, and that way
+KNOWN_FIXES = {
+    # Hugging Face's MoE experts (transformers.integrations.moe): the default grouped_mm
+    # runs a custom op on CPU and in fp32; batched_mm is plain gathers and bmm
+    "transformers::grouped_mm": "a Hugging Face MoE model: set "
+    'config._experts_implementation = "batched_mm" before building it (its experts then '
+    "run as gathers and batched matmuls, which autopar plans)",
+}
+
+
 def unsupported_op(node: fx.Node) -> UnsupportedOpError:
     """The planning-time error for ``node``'s op, naming it and the user's source line."""
+    name = getattr(getattr(node.target, "_schema", None), "name", "")
+    fix = next((fix for op, fix in KNOWN_FIXES.items() if name.startswith(op)), GENERIC_FIX)
     return UnsupportedOpError(
         f"autopar cannot plan {node.target}: it has no sharding strategy (no autopar rule "
         f"and none in DTensor's registry, not even a decomposition){source_line(node)}\n"
-        "Fix: write the model with ops DTensor supports, register a strategy for the op "
-        "(autopar.passes.strategies.register_rule and DTensor's register_op_strategy), or "
-        "give a custom op a decomposition into supported ops."
+        f"Fix: {fix}."
     )
 
 
