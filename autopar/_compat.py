@@ -153,8 +153,8 @@ __all__ = [
 # How DTensor's strategy functions say "no strategy for these arguments" (or for this op):
 # most `raise AssertionError(...)`, the view ops RuntimeError ("requires redistribution",
 # "unevenly sharded"), the math ops and mesh checks ValueError, the decomposition path
-# NotImplementedError. Anything else (TypeError, KeyError, IndexError, ...) is a bug in how
-# autopar called it, and propagates.
+# NotImplementedError. Anything else (TypeError, ...) is a bug in how autopar called it, and
+# propagates (but for the lookups `from_dtensor.REJECTED` adds for OpStrategy functions).
 NO_STRATEGY_ERRORS: tuple[type[Exception], ...] = (
     AssertionError,
     NotImplementedError,

@@ -83,6 +83,35 @@ def test_non_scalar_output_asks_for_loss_fn() -> None:
     assert sorted(captured.params.values()) == ["bias", "weight"]  # no wrapper prefix
 
 
+class _ShiftedRight(nn.Module):
+    """Hugging Face T5's decoder inputs: the labels shifted right into a fresh tensor by
+    slice assignment (functionalized to `aten.copy`, which no strategy table covers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
+
+    def forward(self, labels: torch.Tensor) -> torch.Tensor:
+        shifted = labels.new_zeros(labels.shape)
+        shifted[..., 1:] = labels[..., :-1].clone()
+        shifted[..., 0] = 3
+        logits = self.head(self.emb(shifted))
+        return nn.functional.cross_entropy(logits.view(-1, 16), labels.view(-1))
+
+
+def test_a_slice_assignment_is_captured_as_the_values_it_copies() -> None:
+    model, labels = _ShiftedRight(), torch.randint(0, 16, (4, 6))
+    captured = capture(model, (labels,))
+    ops = {n.target for n in captured.gm.graph.nodes}
+    assert torch.ops.aten.copy.default not in ops and torch.ops.aten.slice_scatter.default in ops
+    params = dict(model.named_parameters())
+    values = {**{k: params[v] for k, v in captured.params.items()}, **captured.constants}
+    args = [values.get(n.name, labels) for n in captured.placeholders()]
+    torch.testing.assert_close(captured.gm(*args)[0], model(labels), rtol=0, atol=0)
+    plan = autopar.plan(model, (labels,), cluster=Cluster.preset("cpu", mesh=(2,)))
+    assert plan.tensors
+
+
 @pytest.fixture(scope="module")
 def gpt_plan() -> Plan:
     model, batch = _tiny("gpt")

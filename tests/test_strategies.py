@@ -326,6 +326,31 @@ def test_a_loss_whose_target_has_fewer_candidates(mesh: DeviceMesh) -> None:
     assert (Shard(0), Replicate()) in by_token and (Replicate(), Replicate()) in by_token
 
 
+class ClassToken(nn.Module):
+    """A ViT's class token: a [1, 1, D] parameter expanded over the batch."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.cls, self.head = nn.Parameter(torch.randn(1, 1, d)), nn.Linear(d, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1)
+        return F.cross_entropy(self.head(h[:, 0]), y)
+
+
+def test_expand_of_a_class_token_stored_split_plans(mesh: DeviceMesh) -> None:
+    # the class token may be stored split on a size-1 dim (one rank's shard empty); DTensor's
+    # view rule, asked to expand it so, looked that dim up in its map and raised KeyError
+    # (`autopar run` on a Hugging Face ViT): it is a rejected candidate, not a crash
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 3, 32, generator=gen), torch.randint(0, 4, (4,), generator=gen)
+    case = Case(ClassToken(), (x, y), mesh)
+    expand = case.first("expand")
+    stored = {s.outputs[0] for s in case.table[expand.args[0]]}
+    assert (Shard(0), Replicate()) in stored  # the empty-shard storage spec is offered
+    assert (Replicate(), Replicate()) in {s.inputs[0] for s in case.table[expand]}
+
+
 def test_str() -> None:
     s = NodeStrategy(
         ((Shard(0), Replicate()), None, (Replicate(), Partial())), ((Shard(1), Shard(0)),)

@@ -144,12 +144,24 @@ def trace(root: nn.Module, args: Sequence) -> Traced:
 
 
 def decompositions() -> dict:
-    """The table `trace` decomposes with: core ATen but `KEPT_OPS`, BatchNorm as sums."""
+    """The table `trace` decomposes with: core ATen but `KEPT_OPS`, BatchNorm as sums, and
+    `copy` as the ops it is (`_copy_as_values`)."""
     table = torch.export.default_decompositions()
     for op in KEPT_OPS:
         table.pop(op, None)
     table.update(BATCH_NORM_DECOMPOSITIONS)
+    table[aten.copy.default] = _copy_as_values
     return table
+
+
+def _copy_as_values(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False):
+    """`aten.copy(dst, src)`, what functionalization makes of an assignment into a slice
+    (`y[..., 1:] = x[..., :-1]`, Hugging Face T5's `_shift_right`): `src`'s values in
+    `dst`'s dtype and shape, ops every strategy table knows (copy has none in DTensor)."""
+    out = src if src.dtype == dst.dtype else aten._to_copy.default(src, dtype=dst.dtype)
+    if tuple(out.shape) != tuple(dst.shape):
+        out = aten.expand.default(out, list(dst.shape))
+    return aten.clone.default(out)
 
 
 def finish(traced: Traced, root: nn.Module, wrapped: bool) -> Captured:

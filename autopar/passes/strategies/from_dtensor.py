@@ -334,15 +334,23 @@ def _call_op_strategy(
     return result.strategies if isinstance(result, OpStrategy) else []
 
 
+# What DTensor's OpStrategy functions raise for arguments they have no strategy for: its
+# own `NO_STRATEGY_ERRORS`, and lookups made past what they were written for. Some zip
+# their inputs' candidate lists (`nll_loss_forward` reads the target's candidate at each of
+# the input's indices: offered fewer, IndexError); the view rules map each input shard's
+# dim to an output dim, and a shard of a dim the op broadcasts has none (`expand` of a
+# ViT's [1, 1, D] class token stored split on its size-1 dim, one rank's shard empty:
+# KeyError).
+REJECTED = (*NO_STRATEGY_ERRORS, IndexError, KeyError)
+
+
 def _op_specs(node: fx.Node, mesh: DeviceMesh, func: Callable, cands: Candidates) -> list[OpSpec]:
     """Call ``func`` with every input's candidates at once; if it fails, once per
     combination of single candidates, as DTensor does at run time (up to ``MAX_COMBOS``
-    combinations). Some functions zip their inputs' candidate lists (`nll_loss_forward`
-    reads the target's candidate at each of the input's indices): offered fewer for one
-    input than for another, they index past its list, an IndexError that says only that."""
+    combinations); `REJECTED` says a function has none for its arguments."""
     try:
         return _call_op_strategy(node, mesh, func, cands)
-    except (*NO_STRATEGY_ERRORS, IndexError):
+    except REJECTED:
         pass  # retried below with one candidate per input
     inputs = list(dict.fromkeys(cands))
     found: list[OpSpec] = []
@@ -350,7 +358,7 @@ def _op_specs(node: fx.Node, mesh: DeviceMesh, func: Callable, cands: Candidates
         single = {i: [spec] for i, spec in zip(inputs, combo, strict=True)}
         try:
             found.extend(_call_op_strategy(node, mesh, func, single))
-        except NO_STRATEGY_ERRORS:
+        except REJECTED:
             continue  # DTensor rejects this input combination
     return found
 
