@@ -658,3 +658,17 @@ def _solved_gpt_pipeline(axis: str, strategy: str):
     finally:
         dist.destroy_process_group()
     return model, job, captured, solved
+
+
+def test_schedules_that_fail_alike_are_named_together() -> None:
+    """A model with one layer (ALBERT: one layer applied at every depth) fails every
+    schedule on 2 stages for one of two reasons: each is said once, with its schedules."""
+    from autopar.search.inter_op import _grouped
+
+    with pytest.raises(ValueError) as two:
+        balanced_cuts([1.0], 2)
+    with pytest.raises(ValueError) as four:
+        balanced_cuts([1.0], 4)
+    failures = [f"{s}: {two.value}" for s in ("gpipe", "1f1b")]
+    failures += [f"{s}: {four.value}" for s in ("interleaved1f1b", "zbv")]
+    assert _grouped(failures) == f"gpipe, 1f1b: {two.value}; interleaved1f1b, zbv: {four.value}"

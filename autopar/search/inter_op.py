@@ -287,6 +287,16 @@ def solve_pipeline(
     return fitting_schedules(solve, costs, _planned, pp, cluster, pipeline, ilp_limit)
 
 
+def _grouped(failures: list[str]) -> str:
+    """`schedule: why` per schedule, the schedules that fail for one reason named together
+    ("gpipe, 1f1b: 2 pipeline stages need at least 2 layers; ...")."""
+    by_why: dict[str, list[str]] = {}
+    for failure in failures:
+        schedule, why = failure.split(": ", 1)
+        by_why.setdefault(why, []).append(schedule)
+    return "; ".join(f"{', '.join(names)}: {why}" for why, names in by_why.items())
+
+
 def _planned(result: IntraOpResult) -> float:
     """The memory the stage ILP planned (its budget's share used)."""
     return result.memory
@@ -313,7 +323,7 @@ def fitting_schedules(solve, costs, memory, pp, cluster, pipeline, ilp_limit):
         except MemoryInfeasible:
             break
     if not priced:
-        raise ValueError("no pipeline schedule fits: " + "; ".join(failures))
+        raise ValueError("no pipeline schedule fits: " + _grouped(failures))
     best = min(priced, key=lambda p: p.step_time)
     return answers, best, {p.schedule: p.step_time for p in priced}
 
