@@ -669,6 +669,6 @@ def test_schedules_that_fail_alike_are_named_together() -> None:
         balanced_cuts([1.0], 2)
     with pytest.raises(ValueError) as four:
         balanced_cuts([1.0], 4)
-    failures = [f"{s}: {two.value}" for s in ("gpipe", "1f1b")]
-    failures += [f"{s}: {four.value}" for s in ("interleaved1f1b", "zbv")]
+    failures = [(s, str(two.value)) for s in ("gpipe", "1f1b")]
+    failures += [(s, str(four.value)) for s in ("interleaved1f1b", "zbv")]
     assert _grouped(failures) == f"gpipe, 1f1b: {two.value}; interleaved1f1b, zbv: {four.value}"

@@ -287,12 +287,11 @@ def solve_pipeline(
     return fitting_schedules(solve, costs, _planned, pp, cluster, pipeline, ilp_limit)
 
 
-def _grouped(failures: list[str]) -> str:
-    """`schedule: why` per schedule, the schedules that fail for one reason named together
+def _grouped(failures: list[tuple[str, str]]) -> str:
+    """(schedule, why) per schedule, the schedules that fail for one reason named together
     ("gpipe, 1f1b: 2 pipeline stages need at least 2 layers; ...")."""
     by_why: dict[str, list[str]] = {}
-    for failure in failures:
-        schedule, why = failure.split(": ", 1)
+    for schedule, why in failures:
         by_why.setdefault(why, []).append(schedule)
     return "; ".join(f"{', '.join(names)}: {why}" for why, names in by_why.items())
 
@@ -360,7 +359,7 @@ def with_comm(result: IntraOpResult) -> None:
 
 
 def price_schedules(lc, candidates, pp, cluster, pipeline, limit):
-    """(schedules that fit, why the others do not, the least peak of those priced)."""
+    """(schedules that fit, (schedule, why) of the others, the least peak of those priced)."""
     priced: list[PricedSchedule] = []
     failures, least = [], math.inf
     per_rank = lc if isinstance(lc, tuple) else (lc,)
@@ -376,11 +375,11 @@ def price_schedules(lc, candidates, pp, cluster, pipeline, limit):
         try:
             p = price_schedule(lc, sched, pp, pipeline.groups, cluster, pipeline.stage_cuts, spans)
         except ValueError as exc:
-            failures.append(f"{sched}: {exc}")
+            failures.append((sched, str(exc)))
             continue
         least = min(least, p.peak_memory)
         if p.peak_memory <= limit:
             priced.append(p)
         else:
-            failures.append(f"{sched}: needs {p.peak_memory / 2**30:.1f} GiB per device")
+            failures.append((sched, f"needs {p.peak_memory / 2**30:.1f} GiB per device"))
     return priced, failures, least
