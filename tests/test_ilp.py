@@ -514,6 +514,47 @@ def test_a_branch_whose_floor_passes_an_earlier_answer_is_not_eliminated(
     )
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_branch_that_only_adds_cost_is_bounded_by_an_earlier_answer(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lever (decision 3) whose choices 1 and 2 only add work (their node cost and the
+    terms they gate are >= 0, and they save memory): its choice 0's least cost fits, so the
+    other branches, every cost at least choice 0's, are bounded by that answer without an
+    elimination; `settle` answers as when every branch is eliminated, the brute-force
+    optimum."""
+    from autopar.search import elimination
+
+    rng = random.Random(seed)
+    k = 3
+
+    def matrix(lo: float, hi: float):
+        return tuple(tuple(rng.uniform(lo, hi) for _ in range(k)) for _ in range(k))
+
+    cost = [[rng.uniform(0, 1) for _ in range(k)] for _ in range(3)] + [[0.0, 0.5, 0.7]]
+    memory = [[rng.uniform(2, 4) for _ in range(k)] for _ in range(3)] + [[0.0, -1.5, -3.0]]
+    edges = (Edge(0, 1, matrix(0, 1), matrix(0, 1)), Edge(1, 2, matrix(0, 1), matrix(0, 1)))
+    gated = tuple(  # the lever's choice c recomputes: more work, less memory
+        GatedEdge(u, v, 3, c, matrix(0, 1), matrix(0, 0.5))
+        for u, v in ((0, 1), (1, 2), (0, 2))
+        for c in (1, 2)
+    )
+    p = IntraOpProblem(tuple(map(tuple, cost)), tuple(map(tuple, memory)), edges, 1e9, 10.0, gated)
+    assert elimination._hub(_reduce_of(p)) == 3
+    pinned, bounded = [], elimination._bounded
+    monkeypatch.setattr(
+        elimination, "_bounded", lambda *a, **kw: pinned.append(a[3]) or bounded(*a, **kw)
+    )
+    settled = _settle(p)
+    assert pinned == [{3: 0}] and settled.optimal
+    assert evaluate(p, settled.choices)[0] == pytest.approx(_brute_force(p)[0], rel=1e-12)
+    pinned.clear()
+    monkeypatch.setattr(elimination, "_dearer", lambda fs, b: False)
+    every = _settle(p)
+    assert pinned == [{3: 0}, {3: 1}, {3: 2}]
+    assert (settled.choices, settled.optimal) == (every.choices, every.optimal)
+
+
 def _reduce_of(p: IntraOpProblem):
     from autopar.search.ilp import _reduce
 

@@ -25,7 +25,9 @@ takes ~0.6 s and a MIP 2-4 s.
    variable fixing), and the MIP solves what is left (the best answer known is in it).
 
 Where one decision gates the blocks (the hub: a layer's lever), steps 1-3 run on each of
-its choices apart (`_Factors.fixing`), the bounds and answers taken over all of them.
+its choices apart (`_Factors.fixing`), the bounds and answers taken over all of them; a
+choice whose every cost is at least an earlier one's, whose least cost is an answer's or
+more, is bounded so and not eliminated (`_dearer`).
 
 Every term of the reduced problem (`ilp_problem._Reduced`) is a factor: a node's row, a
 pair's matrix (inf cost forbids a pair), a block's matrix on its gate's choice, a gate's
@@ -140,9 +142,13 @@ def settle(p: IntraOpProblem, red: _Reduced, rel_gap: float) -> Settled | None:
     branches: list[_Branch] = []
     orders: dict = {}
     for pinned, fs in restricted:
-        answers = [b.best[0] for b in branches if b.best is not None]
-        beaten = _upper(min(answers, default=math.inf), floor)
-        b = _bounded(p, red, fs, pinned, rel_gap, beaten, orders)
+        answer = min((b.best[0] for b in branches if b.best is not None), default=math.inf)
+        under = next((b for b in branches if b.bound >= answer and _dearer(fs, b)), None)
+        if under is not None:  # it holds nothing cheaper than the answer: not eliminated
+            order = _order_of(fs, orders)
+            b = None if order is None else _Branch(fs, order, pinned, _floor(fs), 0.0, under.bound)
+        else:
+            b = _bounded(p, red, fs, pinned, rel_gap, _upper(answer, floor), orders)
         if b is None:
             return None
         branches.append(b)
@@ -204,11 +210,7 @@ def _bounded(
     stops once its bound passes `beaten` (it can hold no answer below it), and does not
     start where its floor already does. `orders`: the
     elimination orders of the branches before it, by their structure."""
-    orders = {} if orders is None else orders
-    key = (tuple(fs.cost), tuple(fs.sizes.items()))  # all `_order` reads: branches share it
-    if key not in orders:
-        orders[key] = _order(fs)
-    order = orders[key]
+    order = _order_of(fs, {} if orders is None else orders)
     if order is None:
         return None
     limit = p.memory_limit
@@ -242,6 +244,23 @@ def _bounded(
         return branch
     branch.lam, branch.bound, branch.best = _walk(run, limit, first, fits, beaten)
     return branch
+
+
+def _order_of(fs: _Factors, orders: dict) -> list[int] | None:
+    """`_order(fs)`, shared by the branches of one structure (all `_order` reads)."""
+    key = (tuple(fs.cost), tuple(fs.sizes.items()))
+    if key not in orders:
+        orders[key] = _order(fs)
+    return orders[key]
+
+
+def _dearer(fs: _Factors, b: _Branch) -> bool:
+    """Whether `b`'s bound is its least cost (lam 0) and every cost of `fs` is at least
+    `b`'s at the same choices (a layer's lever that adds work, never saves it): then no
+    assignment of `fs` costs less than `b.bound`."""
+    if b.lam or fs.cost.keys() != b.fs.cost.keys() or fs.fixed[0] < b.fs.fixed[0]:
+        return False
+    return all(c is (d := b.fs.cost[s]) or bool(np.all(c >= d)) for s, c in fs.cost.items())
 
 
 def _choices(red: _Reduced, pos: dict[int, int]) -> tuple[int, ...]:
