@@ -190,17 +190,20 @@ def prepare(
     template: bool = False,
     solve_first: bool = False,
     given: Template | None = None,
+    cast: nn.Module | None = None,
 ) -> tuple[PlanJob, Captured, tuple[FusedRegion, ...], Template | None]:
     """What compile and plan share: the job, the captured (maybe fused) graph, and with
     `template` the two-block template to search on (None when nothing repeats).
     `solve_first` (planning without processes): the template (or the `given` one, captured
     at the same shapes) is solved before the whole graph is made, and the whole graph is
-    built from it rather than traced where it can be (`Template.whole_model`)."""
+    built from it rather than traced where it can be (`Template.whole_model`). `cast`:
+    `model` in the compute dtype already (the layout search's copy, which the `given`
+    template's three-block check traces: a copy made anew would start it again)."""
     job = PlanJob.make(options, cluster, batch, plan)
     dtype = compute_dtype(options, plan)
     batch = job.capture_batch(batch)
     if dtype is not None:  # captured in the compute dtype: activations and communication
-        model, batch = in_compute_dtype(model, batch, dtype)  # priced in it
+        model, batch = in_compute_dtype(model, batch, dtype, cast)  # priced in it
     with phase("capture"):
         tpl = template_of(model, batch, loss_fn) if template else None
     if solve_first and tpl is not None and job.fusion == "none":
@@ -291,10 +294,11 @@ def precision_fields(options: PlanOptions) -> dict:
 
 
 def in_compute_dtype(
-    model: nn.Module, batch: Sequence[torch.Tensor], dtype: torch.dtype
+    model: nn.Module, batch: Sequence[torch.Tensor], dtype: torch.dtype, cast=None
 ) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    """A copy of `model` with its parameters (not buffers) cast to `dtype`, and the batch
-    with its floating tensors cast: what the runtime computes with under the policy."""
+    """A copy of `model` with its parameters (not buffers) cast to `dtype` (`cast`, where
+    given: such a copy made before), and the batch with its floating tensors cast: what
+    the runtime computes with under the policy."""
     bad = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
     if bad:
         raise ValueError(
@@ -302,11 +306,11 @@ def in_compute_dtype(
             "parameters; hand over the fp32 model, or drop mixed_precision to train in the "
             "model's own dtype"
         )
-    copy_ = copy.deepcopy(model)
-    for p in copy_.parameters():
-        p.data = p.data.to(dtype)
-    cast = tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
-    return copy_, cast
+    if cast is None:
+        cast = copy.deepcopy(model)
+        for p in cast.parameters():
+            p.data = p.data.to(dtype)
+    return cast, tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
 
 
 def _stage_meshes(options: PlanOptions, cluster: Cluster) -> tuple[tuple[int, ...], ...]:
@@ -387,9 +391,11 @@ def plan_model(
     loss_fn: Callable | None,
     options: PlanOptions,
     template: Template | None = None,
+    cast: nn.Module | None = None,
 ) -> Plan:
     """`autopar.plan`: search without processes or weights (on `template` when given: the
-    layout search's, captured at the same shapes)."""
+    layout search's, captured at the same shapes on `cast`, its copy of `model` in the
+    compute dtype)."""
     if searches_layout(options, cluster):
         return plan_layout(model, batch, cluster, loss_fn, options)
     job, captured, regions, tpl = prepare(
@@ -401,6 +407,7 @@ def plan_model(
         template=template is None,
         solve_first=True,
         given=template,
+        cast=cast,
     )
     tpl = template or tpl
     with fake_group(job.cluster.world_size), warnings.catch_warnings(record=True) as caught:
@@ -411,7 +418,7 @@ def plan_model(
     if captured.from_template:
         with phase("capture"):  # the three-block check, run beside the plan (`whole_model`)
             if not tpl.confirmed():  # the built graph is not the model's: planned on its trace
-                return plan_model(model, batch, cluster, loss_fn, options, tpl)
+                return plan_model(model, batch, cluster, loss_fn, options, tpl, cast)
     for w in caught:  # the plan's own, once it is the one given out
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return plan
@@ -462,6 +469,7 @@ def plan_layout(
                 stage_meshes=layout.rank_meshes or None,
             ),
             template=found.template_for(layout, batch[0].shape[0]),
+            cast=searched if dtype is not None else None,
         )
 
     final, layout = found.fastest_fitting(on, memory_bound(cluster, options.memory_limit))

@@ -209,6 +209,26 @@ def test_a_plan_is_confirmed_on_the_trace_when_the_template_does_not_show_the_mo
     assert plan.graph_fingerprint == capture(repeating, batch, _loss).fingerprint
 
 
+def test_a_mixed_precision_plan_traces_three_blocks_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layout search plans a bf16 copy of the model, and its three-block check traces
+    that copy; the final plan is built on the same copy, so the check's answer serves it
+    (a new copy would stop the check and trace three blocks again). One microbatch: the
+    final graph has the rows the check traced."""
+    import autopar
+    from autopar.capture import template
+    from autopar.capture.template import BUILT
+
+    started, three = [], template._three_traced
+    monkeypatch.setattr(template, "_three_traced", lambda *a: started.append(a) or three(*a))
+    batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    cluster = Cluster.preset("cpu", devices_per_node=2)
+    plan = autopar.plan(
+        _Residual(6), batch, cluster=cluster, loss_fn=_loss, mixed_precision="bf16", microbatches=1
+    )
+    assert plan.solver.get("graph") == BUILT and plan.solver.get("layout") is not None
+    assert len(started) == 1
+
+
 @pytest.mark.parametrize("last_differs", [None, False, True], ids=["repeats", "depth", "last"])
 def test_a_check_started_before_the_template_confirms_its_graph(last_differs) -> None:
     """The layout search starts the three-block check before it captures the template

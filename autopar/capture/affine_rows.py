@@ -148,18 +148,20 @@ def paired(traced: Traced, rows: int, other: dict, other_rows: int) -> RowsOf | 
 
 def _size_arguments(node: fx.Node) -> set:
     """The positions and names of `node`'s arguments that an op schema types as int or
-    int[] (sizes, indices, bounds): only those may follow the rows. A number (`Scalar`)
-    that differs, `x / (rows * rows)`, could follow them otherwise than on a line: the
-    two traces do not pair."""
+    int[] (sizes, indices, bounds), and `arange`'s bounds (Scalars that are sizes: its
+    length; Hugging Face's masks index the batch by `arange(rows)`): only those may follow
+    the rows. Another number (`Scalar`) that differs, `x / (rows * rows)`, could follow them
+    otherwise than on a line: the two traces do not pair."""
     schema = getattr(node.target, "_schema", None)
     if schema is None:
         return set()
+    sized = ("int", "List[int]", *(("number",) if schema.name == "aten::arange" else ()))
     out = set()
     for k, arg in enumerate(schema.arguments):
         text = str(arg.type)
         if text.startswith("Optional["):
             text = text[len("Optional[") : -1]
-        if text in ("int", "List[int]"):
+        if text in sized:
             out |= {k, arg.name}
     return out
 
