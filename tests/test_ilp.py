@@ -445,7 +445,7 @@ def test_elimination_by_choice_equals_the_whole_bucket(
     p = _lever_problem(seed)
     red = _reduce_of(p)
     fs = elimination._factors(red)
-    order = elimination._order(fs)
+    order = elimination.order_of(fs)
     for lam in (0.0, 0.3):
         factors = {s: np.round(v, 1) for s, v in fs.at(lam).items()}  # ties on purpose
         monkeypatch.setattr(elimination, "_BY_CHOICE", 10**9)
@@ -561,15 +561,47 @@ def _reduce_of(p: IntraOpProblem):
     return _reduce(p)
 
 
+def test_elimination_takes_the_order_of_fewer_entries() -> None:
+    """A graph where min-fill's order holds 58,194 bucket entries and the least-separator
+    order 15,174 (decisions of 5 to 29 choices, as a Falcon template's): `order_of` takes
+    the smaller, and elimination in it settles the MIP's optimum."""
+    from autopar.search import elimination, elimination_order
+
+    rng = random.Random(0)
+    sizes = (9, 15, 29, 15, 5, 9)
+    pairs = ((0, 1), (0, 2), (0, 4), (1, 3), (1, 4), (1, 5), (2, 3), (2, 5))
+    cost = [[rng.uniform(0, 1) for _ in range(k)] for k in sizes]
+    edges = [
+        (u, v, [[rng.uniform(0, 1) for _ in range(sizes[v])] for _ in range(sizes[u])])
+        for u, v in pairs
+    ]
+    p = _problem(cost, [[0.0] * k for k in sizes], edges)
+    fs = elimination._factors(_reduce_of(p))
+    order = elimination_order.order_of(fs)
+    adj = {i: {j for e in pairs if i in e for j in e if j != i} for i in range(len(sizes))}
+    entries = 0
+    for i in order:  # the buckets of this order
+        entries += math.prod(sizes[a] for a in adj[i]) * sizes[i]
+        for a in adj[i]:
+            adj[a] |= adj[i] - {a}
+            adj[a].discard(i)
+        del adj[i]
+    assert entries == 15_174
+    settled = _settle(p)
+    assert settled.optimal
+    highs = solve_intra_op(p, backend="highs")
+    assert evaluate(p, settled.choices)[0] == pytest.approx(highs.objective, rel=1e-9)
+
+
 @pytest.mark.parametrize("cap", ["MAX_BUCKET", "MAX_BUCKETS"])
 def test_elimination_gives_way_to_the_mip_past_its_bucket_caps(
     cap: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A bucket over `MAX_BUCKET` entries, or all over `MAX_BUCKETS`: `settle` declines,
     the MIP solves."""
-    from autopar.search import elimination
+    from autopar.search import elimination_order
 
-    monkeypatch.setattr(elimination, cap, 3)
+    monkeypatch.setattr(elimination_order, cap, 3)
     p = _random_problem(0)
     assert _settle(p) is None
     best, _ = _brute_force(p)

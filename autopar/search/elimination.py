@@ -4,8 +4,8 @@ objective (Lagrangian relaxation, ``cost + lam * memory``).
 
 A sharding problem's graph is nearly a chain: a block's decisions talk to their neighbours
 along the residual stream and the attention / MLP branches, plus one gate (a layer's
-recompute or reshard decision) on the blocks' three-way terms. Eliminated in a weighted
-min-fill order (`_order`), a Llama-3-8B template's buckets hold ~5M entries in all (the
+recompute or reshard decision) on the blocks' three-way terms. Eliminated in a greedy
+order (`elimination_order`), a Llama-3-8B template's buckets hold ~5M entries in all (the
 widest ~0.8M) and one elimination of a hub's branch takes ~0.02 s of numpy, where HiGHS's
 LP relaxation of the same problem (~40k variables: one per pair of choices on each edge)
 takes ~0.6 s and a MIP 2-4 s.
@@ -36,26 +36,18 @@ product of literals; each over the allowed choices of its decisions, cost and me
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from autopar.search.elimination_order import Scope, order_of
 from autopar.search.ilp_problem import IntraOpProblem, _Reduced, evaluate
 
-MAX_BUCKET = 8_000_000  # entries of the largest bucket (a decision and its neighbours)
-# entries of all buckets together (what variable fixing keeps: ~8 bytes each). Hugging Face's
-# Llama-3-8B in bf16 on 64 H100 holds 32.3M in its dp8 x tp8 stage ILPs (the rotary cos /
-# sin every layer reads join them): eliminated in ~0.8 s each, where HiGHS takes ~1.4 s
-MAX_BUCKETS = 48_000_000
 _TIE_WEIGHT = 1e-9  # eps: a memory limit's worth of bytes costs this much of the cost above
 # its floor (the least of every factor), so ties break towards less memory
 _WALK_STEPS = 12  # elimination passes of the cutting-plane walk at most
 _BY_CHOICE = 4096  # separators of at least this many entries are minimised choice by choice
-
-Scope = tuple[int, ...]  # decisions, ascending: a factor's axes in this order
-
 
 @dataclass(slots=True)
 class Settled:
@@ -128,7 +120,7 @@ def settle(p: IntraOpProblem, red: _Reduced, rel_gap: float) -> Settled | None:
     its own: fixing it turns the gated terms into plain ones and, as it moves much of the
     memory, makes each branch's Lagrangian bound far tighter (a GPT-3 stage ILP: 15% under
     the optimum whole, 5e-6 by branches, most of which fit nothing). None when a branch's
-    buckets are too large (`_order`)."""
+    buckets are too large (`elimination_order`)."""
     hub = _hub(red)
     whole = _factors(red)
     if hub is None:
@@ -140,15 +132,14 @@ def settle(p: IntraOpProblem, red: _Reduced, rel_gap: float) -> Settled | None:
     # holds nothing better, and the answer (and what variable fixing keeps) is the same
     floor = min((_floor(fs) for _, fs in restricted), default=math.inf)
     branches: list[_Branch] = []
-    orders: dict = {}
     for pinned, fs in restricted:
         answer = min((b.best[0] for b in branches if b.best is not None), default=math.inf)
         under = next((b for b in branches if b.bound >= answer and _dearer(fs, b)), None)
         if under is not None:  # it holds nothing cheaper than the answer: not eliminated
-            order = _order_of(fs, orders)
+            order = order_of(fs)
             b = None if order is None else _Branch(fs, order, pinned, _floor(fs), 0.0, under.bound)
         else:
-            b = _bounded(p, red, fs, pinned, rel_gap, _upper(answer, floor), orders)
+            b = _bounded(p, red, fs, pinned, rel_gap, _upper(answer, floor))
         if b is None:
             return None
         branches.append(b)
@@ -203,14 +194,12 @@ def _bounded(
     pinned: dict[int, int],
     rel_gap: float,
     beaten: float = math.inf,
-    orders: dict | None = None,
 ) -> _Branch | None:
     """Steps 1-2 of the module docstring on one branch: `fs`, the factors with the free
     decisions of `pinned` fixed at those positions (None: a bucket too large); its walk
     stops once its bound passes `beaten` (it can hold no answer below it), and does not
-    start where its floor already does. `orders`: the
-    elimination orders of the branches before it, by their structure."""
-    order = _order_of(fs, {} if orders is None else orders)
+    start where its floor already does."""
+    order = order_of(fs)
     if order is None:
         return None
     limit = p.memory_limit
@@ -244,14 +233,6 @@ def _bounded(
         return branch
     branch.lam, branch.bound, branch.best = _walk(run, limit, first, fits, beaten)
     return branch
-
-
-def _order_of(fs: _Factors, orders: dict) -> list[int] | None:
-    """`_order(fs)`, shared by the branches of one structure (all `_order` reads)."""
-    key = (tuple(fs.cost), tuple(fs.sizes.items()))
-    if key not in orders:
-        orders[key] = _order(fs)
-    return orders[key]
 
 
 def _dearer(fs: _Factors, b: _Branch) -> bool:
@@ -369,41 +350,6 @@ def _factors(red: _Reduced) -> _Factors:
         math.fsum(red.mem[i][k] for i, k in fixed),
     )
     return _Factors(cost, memory, {i: len(red.allowed[i]) for i in free}, constants)
-
-
-def _order(fs: _Factors) -> list[int] | None:
-    """A greedy elimination order: next the decision whose elimination adds the fewest
-    fill entries (pairs of neighbours not yet joined, weighted by their choices), then the
-    smallest bucket; None when a bucket would exceed `MAX_BUCKET` entries or all of them
-    `MAX_BUCKETS` (an elimination's time; the memory `_keep` holds)."""
-    sizes = fs.sizes
-    adj: dict[int, set[int]] = {i: set() for i in sizes}
-    for scope in fs.cost:
-        for a, b in itertools.combinations(scope, 2):
-            adj[a].add(b)
-            adj[b].add(a)
-
-    def bucket(i: int) -> int:
-        return math.prod(sizes[a] for a in adj[i]) * sizes[i]
-
-    def score(i: int) -> tuple[int, int, int]:
-        fill = sum(
-            sizes[a] * sizes[b] for a, b in itertools.combinations(adj[i], 2) if b not in adj[a]
-        )
-        return fill, bucket(i), i
-
-    order, total = [], 0
-    while adj:
-        i = min(adj, key=score)
-        total += bucket(i)
-        if bucket(i) > MAX_BUCKET or total > MAX_BUCKETS:
-            return None
-        for a in adj[i]:
-            adj[a] |= adj[i] - {a}
-            adj[a].discard(i)
-        del adj[i]
-        order.append(i)
-    return order
 
 
 def _eliminate(
