@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -514,15 +515,17 @@ def test_a_branch_whose_floor_passes_an_earlier_answer_is_not_eliminated(
     )
 
 
+@pytest.mark.parametrize("saves", [True, False], ids=["saves memory", "saves nothing"])
 @pytest.mark.parametrize("seed", range(6))
-def test_a_branch_that_only_adds_cost_is_bounded_by_an_earlier_answer(
-    seed: int, monkeypatch: pytest.MonkeyPatch
+def test_a_branch_that_only_adds_cost_is_not_eliminated(
+    seed: int, saves: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A lever (decision 3) whose choices 1 and 2 only add work (their node cost and the
-    terms they gate are >= 0, and they save memory): its choice 0's least cost fits, so the
-    other branches, every cost at least choice 0's, are bounded by that answer without an
-    elimination; `settle` answers as when every branch is eliminated, the brute-force
-    optimum."""
+    terms they gate are >= 0). Where they save memory, choice 0's least cost fits, so the
+    other branches, every cost at least choice 0's, are bounded by that answer; where they
+    save nothing (every memory at least choice 0's too) and the limit binds, choice 0's
+    branch holds an assignment as good as any of theirs. Either way only choice 0 is
+    eliminated, and the answer is the brute-force optimum, as when every branch is."""
     from autopar.search import elimination
 
     rng = random.Random(seed)
@@ -532,27 +535,37 @@ def test_a_branch_that_only_adds_cost_is_bounded_by_an_earlier_answer(
         return tuple(tuple(rng.uniform(lo, hi) for _ in range(k)) for _ in range(k))
 
     cost = [[rng.uniform(0, 1) for _ in range(k)] for _ in range(3)] + [[0.0, 0.5, 0.7]]
-    memory = [[rng.uniform(2, 4) for _ in range(k)] for _ in range(3)] + [[0.0, -1.5, -3.0]]
+    lever = [0.0, -1.5, -3.0] if saves else [0.0, 0.2, 0.4]
+    memory = [[rng.uniform(2, 4) for _ in range(k)] for _ in range(3)] + [lever]
     edges = (Edge(0, 1, matrix(0, 1), matrix(0, 1)), Edge(1, 2, matrix(0, 1), matrix(0, 1)))
-    gated = tuple(  # the lever's choice c recomputes: more work, less memory
+    gated = tuple(  # the lever's choice c: more work, and more memory unless it saves
         GatedEdge(u, v, 3, c, matrix(0, 1), matrix(0, 0.5))
         for u, v in ((0, 1), (1, 2), (0, 2))
         for c in (1, 2)
     )
     p = IntraOpProblem(tuple(map(tuple, cost)), tuple(map(tuple, memory)), edges, 1e9, 10.0, gated)
+    if not saves:  # a limit that binds: the median assignment's memory
+        mems = sorted(evaluate(p, ch)[1] for ch in itertools.product(range(k), repeat=4))
+        p = replace(p, memory_limit=mems[len(mems) // 2])
+    best = _brute_force(p)[0]
     assert elimination._hub(_reduce_of(p)) == 3
     pinned, bounded = [], elimination._bounded
     monkeypatch.setattr(
         elimination, "_bounded", lambda *a, **kw: pinned.append(a[3]) or bounded(*a, **kw)
     )
     settled = _settle(p)
-    assert pinned == [{3: 0}] and settled.optimal
-    assert evaluate(p, settled.choices)[0] == pytest.approx(_brute_force(p)[0], rel=1e-12)
+    assert pinned == [{3: 0}]
+    assert solve_intra_op(p).objective == pytest.approx(best, rel=1e-12)
     pinned.clear()
-    monkeypatch.setattr(elimination, "_dearer", lambda fs, b: False)
+    monkeypatch.setattr(elimination, "_covering", lambda *a: None)
     every = _settle(p)
     assert pinned == [{3: 0}, {3: 1}, {3: 2}]
-    assert (settled.choices, settled.optimal) == (every.choices, every.optimal)
+    if saves:
+        assert settled.optimal and (settled.choices, settled.optimal) == (
+            every.choices,
+            every.optimal,
+        )
+    assert solve_intra_op(p).objective == pytest.approx(best, rel=1e-12)
 
 
 def _reduce_of(p: IntraOpProblem):

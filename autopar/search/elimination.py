@@ -26,8 +26,8 @@ takes ~0.6 s and a MIP 2-4 s.
 
 Where one decision gates the blocks (the hub: a layer's lever), steps 1-3 run on each of
 its choices apart (`_Factors.fixing`), the bounds and answers taken over all of them; a
-choice whose every cost is at least an earlier one's, whose least cost is an answer's or
-more, is bounded so and not eliminated (`_dearer`).
+choice whose every cost is at least an earlier one's is not eliminated where its every
+memory is too, or where the earlier one's least cost is an answer's or more (`_covering`).
 
 Every term of the reduced problem (`ilp_problem._Reduced`) is a factor: a node's row, a
 pair's matrix (inf cost forbids a pair), a block's matrix on its gate's choice, a gate's
@@ -48,6 +48,7 @@ _TIE_WEIGHT = 1e-9  # eps: a memory limit's worth of bytes costs this much of th
 # its floor (the least of every factor), so ties break towards less memory
 _WALK_STEPS = 12  # elimination passes of the cutting-plane walk at most
 _BY_CHOICE = 4096  # separators of at least this many entries are minimised choice by choice
+
 
 @dataclass(slots=True)
 class Settled:
@@ -112,6 +113,7 @@ class _Branch:
     lam: float = 0.0
     bound: float = -math.inf
     best: tuple | None = None
+    covered: bool = False  # another branch holds, per assignment, one no dearer nor larger
 
 
 def settle(p: IntraOpProblem, red: _Reduced, rel_gap: float) -> Settled | None:
@@ -134,10 +136,12 @@ def settle(p: IntraOpProblem, red: _Reduced, rel_gap: float) -> Settled | None:
     branches: list[_Branch] = []
     for pinned, fs in restricted:
         answer = min((b.best[0] for b in branches if b.best is not None), default=math.inf)
-        under = next((b for b in branches if b.bound >= answer and _dearer(fs, b)), None)
-        if under is not None:  # it holds nothing cheaper than the answer: not eliminated
+        covering = _covering(fs, branches, answer)
+        if covering is not None:  # it holds nothing better: not eliminated
+            under, whole = covering
             order = order_of(fs)
-            b = None if order is None else _Branch(fs, order, pinned, _floor(fs), 0.0, under.bound)
+            b = _Branch(fs, order, pinned, _floor(fs), 0.0, under.bound, None, whole)
+            b = None if order is None else b
         else:
             b = _bounded(p, red, fs, pinned, rel_gap, _upper(answer, floor))
         if b is None:
@@ -153,8 +157,8 @@ def settle(p: IntraOpProblem, red: _Reduced, rel_gap: float) -> Settled | None:
     upper = _upper(best[0], floor)
     keep: dict[int, set[int]] = {}
     for b in branches:
-        if b.bound > upper:
-            continue  # nothing in it beats the best answer
+        if b.bound > upper or b.covered:
+            continue  # nothing in it beats the best answer, or another branch's
         kept = _keep(b.fs, b.order, b.lam, p.memory_limit, upper)
         kept.update({i: [n] for i, n in b.pinned.items()})
         for i, ns in kept.items():
@@ -235,13 +239,30 @@ def _bounded(
     return branch
 
 
-def _dearer(fs: _Factors, b: _Branch) -> bool:
-    """Whether `b`'s bound is its least cost (lam 0) and every cost of `fs` is at least
-    `b`'s at the same choices (a layer's lever that adds work, never saves it): then no
-    assignment of `fs` costs less than `b.bound`."""
-    if b.lam or fs.cost.keys() != b.fs.cost.keys() or fs.fixed[0] < b.fs.fixed[0]:
+def _covering(fs: _Factors, branches: list[_Branch], answer: float):
+    """(b, whole): an earlier branch `b` whose every cost is at most `fs`'s at the same
+    choices (a layer's lever that adds work, never saves it), and whether it covers `fs`
+    whole: every memory at most `fs`'s too (each assignment of `fs` has one in `b` no
+    dearer and no larger, so none of `fs`'s choices need be kept). Otherwise `b.bound`
+    must be its least cost (lam 0) and no less than the best `answer`: `fs` holds nothing
+    cheaper. None where no branch covers `fs`."""
+    for b in branches:
+        if not _at_least(fs, b.fs, 0):
+            continue
+        if _at_least(fs, b.fs, 1):
+            return b, True
+        if not b.lam and b.bound >= answer:
+            return b, False
+    return None
+
+
+def _at_least(fs: _Factors, other: _Factors, memory: int) -> bool:
+    """Whether every cost (`memory` 0) or memory (1) of `fs` is at least `other`'s at the
+    same choices."""
+    mine, theirs = (fs.memory, other.memory) if memory else (fs.cost, other.cost)
+    if mine.keys() != theirs.keys() or fs.fixed[memory] < other.fixed[memory]:
         return False
-    return all(c is (d := b.fs.cost[s]) or bool(np.all(c >= d)) for s, c in fs.cost.items())
+    return all(x is (y := theirs[s]) or bool(np.all(x >= y)) for s, x in mine.items())
 
 
 def _choices(red: _Reduced, pos: dict[int, int]) -> tuple[int, ...]:
