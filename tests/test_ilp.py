@@ -606,6 +606,38 @@ def test_elimination_takes_the_order_of_fewer_entries() -> None:
     assert evaluate(p, settled.choices)[0] == pytest.approx(highs.objective, rel=1e-9)
 
 
+def test_elimination_branches_on_a_value_every_decision_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A chain of decisions that all read decision 7 (a rotary table every layer reads):
+    eliminated whole, its buckets pass the cap; with 7 fixed at each choice they do not,
+    so each choice is a branch and `settle` proves the brute-force optimum (without the
+    branches it declines, for the MIP)."""
+    from autopar.search import elimination, elimination_order
+
+    rng = random.Random(1)
+    k, n = 3, 7
+
+    def matrix():
+        return [[rng.uniform(0, 1) for _ in range(k)] for _ in range(k)]
+
+    chain = [(i, i + 1, matrix()) for i in range(n - 1)] + [(i, n, matrix()) for i in range(n)]
+    p = _problem(
+        [[rng.uniform(0, 1) for _ in range(k)] for _ in range(n + 1)], [[0.0] * k] * (n + 1), chain
+    )
+    fs = elimination._factors(_reduce_of(p))
+
+    assert elimination._star(fs) == n
+    monkeypatch.setattr(elimination_order, "MAX_BUCKETS", 3 * k**3)  # ~k**3 per bucket whole
+    assert elimination_order.order_of(fs) is None
+    assert elimination_order.order_of(fs.fixing(n, 0)) is not None
+    settled = _settle(p)
+    assert settled is not None and settled.optimal
+    assert evaluate(p, settled.choices)[0] == pytest.approx(_brute_force(p)[0], rel=1e-12)
+    monkeypatch.setattr(elimination, "_star", lambda fs: None)
+    assert _settle(p) is None
+
+
 @pytest.mark.parametrize("cap", ["MAX_BUCKET", "MAX_BUCKETS"])
 def test_elimination_gives_way_to_the_mip_past_its_bucket_caps(
     cap: str, monkeypatch: pytest.MonkeyPatch
