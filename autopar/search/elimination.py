@@ -139,10 +139,11 @@ def settle(p: IntraOpProblem, red: _Reduced, rel_gap: float) -> Settled | None:
         answer = min((b.best[0] for b in branches if b.best is not None), default=math.inf)
         covering = _covering(fs, branches, answer)
         if covering is not None:  # it holds nothing better: not eliminated
-            under, whole = covering
-            order = order_of(fs)
-            b = _Branch(fs, order, pinned, _floor(fs), 0.0, under.bound, None, whole)
-            b = None if order is None else b
+            under, entirely = covering
+            order = order_of(fs)  # for `_keep`, where it is not covered entirely
+            b = None if order is None else _Branch(fs, order, pinned, _floor(fs))
+            if b is not None:
+                b.bound, b.covered = under.bound, entirely
         else:
             b = _bounded(p, red, fs, pinned, rel_gap, _upper(answer, floor))
         if b is None:
