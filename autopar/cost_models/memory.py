@@ -60,6 +60,8 @@ __all__ = [
     "param_state_bytes",
     "replicas",
     "shard_dim",
+    "shard_splits",
+    "split_shape",
 ]
 
 # Optimizer state tensors per parameter, each the size of the parameter.
@@ -86,19 +88,33 @@ def local_shape(
     shape: Sequence[int], spec: Sequence[Any], mesh_shape: Sequence[int]
 ) -> tuple[int, ...]:
     """Shape of the largest local shard of a ``shape`` tensor placed as ``spec``."""
+    return split_shape(shape, shard_splits(spec, mesh_shape))
+
+
+def shard_splits(spec: Sequence[Any], mesh_shape: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """(tensor dim, axis size) of each mesh axis whose placement shards a dim, in mesh order:
+    the divisions `local_shape` makes, read of the spec alone (`split_shape` applies them to
+    any shape; the cost models keep them per pair of specs)."""
     if len(spec) != len(mesh_shape):
         raise ValueError(
             f"spec {tuple(spec)} has {len(spec)} placements for mesh {tuple(mesh_shape)}"
         )
+    return tuple(
+        (d, int(n))
+        for p, n in zip(spec, mesh_shape, strict=True)
+        if (d := shard_dim(p)) is not None
+    )
+
+
+def split_shape(shape: Sequence[int], splits: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+    """`shape` divided as `splits` (`shard_splits`) divides it: each sharded dim's size
+    becomes ``ceil(size / n)`` (uneven shards pad to the largest one)."""
     out = [int(s) for s in shape]
-    for placement, n in zip(spec, mesh_shape, strict=True):
-        d = shard_dim(placement)
-        if d is None:
-            continue
+    for d, n in splits:
         if not -len(out) <= d < len(out):
-            raise ValueError(f"{placement} shards dim {d} of a {len(out)}-D tensor {tuple(shape)}")
+            raise ValueError(f"Shard({d}) shards dim {d} of a {len(out)}-D tensor {tuple(shape)}")
         d %= len(out)
-        out[d] = -(-out[d] // n)  # ceil: uneven shards pad to the largest one
+        out[d] = -(-out[d] // n)
     return tuple(out)
 
 

@@ -45,7 +45,7 @@ from autopar.cost_models.comm import (
     strided_reachable,
     transition_kind,
 )
-from autopar.cost_models.memory import local_numel, local_shape, shard_dim
+from autopar.cost_models.memory import shard_dim, shard_splits, split_shape
 from autopar.devices import device_for_backend
 
 
@@ -59,31 +59,33 @@ def rearranged_bytes(
 ) -> tuple[float, ...]:
     """Bytes of each local copy `src -> dst` makes (module docstring); () where it makes
     none or DTensor cannot perform the move."""
-    rules = _copy_rules(tuple(src), tuple(dst), tuple(mesh_shape))
-    if not rules:
-        return ()
+    return copied_bytes(
+        copy_plan(tuple(src), tuple(dst), tuple(mesh_shape), backend), shape, itemsize
+    )
+
+
+def copied_bytes(plan: tuple, shape: Sequence[int], itemsize: int) -> tuple[float, ...]:
+    """`rearranged_bytes` of a value of `shape` by its move's `copy_plan`."""
     out = []
-    for rule, before, after, axis, dims in rules:
-        whole = local_numel(shape, after, mesh_shape) * itemsize
+    for rule, before, after, n, dims, cpu in plan:
+        whole = math.prod(split_shape(shape, after)) * itemsize
         if rule == "scatter":
             out.append(whole)
         elif rule == "chunk":
-            out.append(whole / mesh_shape[axis])
+            out.append(whole / n)
         elif rule == "gather":
-            if dims[0] is None or _inner(dims[0], local_shape(shape, before, mesh_shape)):
+            if dims[0] is None or _inner(dims[0], split_shape(shape, before)):
                 out.append(whole)
         else:  # all_to_all
-            out += _all_to_all(
-                dims, whole, mesh_shape[axis], shape, before, after, mesh_shape, backend
-            )
+            x, gathered = split_shape(shape, before), split_shape(shape, after)
+            out += _all_to_all(dims, whole, n, x, gathered, cpu)
     return tuple(float(b) for b in out if b > 0)
 
 
-def _all_to_all(dims, whole, n, shape, before, after, mesh_shape, backend) -> list[float]:
+def _all_to_all(dims, whole, n, x, gathered, cpu: bool) -> list[float]:
+    """`x`, `gathered`: the local shapes before the step and whole over its axis."""
     a, b = dims
-    x = local_shape(shape, before, mesh_shape)
-    gathered = local_shape(shape, after, mesh_shape)
-    if device_for_backend(backend) == "cpu":  # gloo: an all-gather along a, a chunk along b
+    if cpu:  # gloo: an all-gather along a, a chunk along b
         return [whole] * _strided_or_inner(a, x) + [whole / n] * _inner(b, gathered)
     return [whole / n for d, s in ((b, x), (a, gathered)) if _inner(d, s)]
 
@@ -99,13 +101,15 @@ def _strided_or_inner(d, shape: Sequence[int]) -> bool:
 
 
 @lru_cache(maxsize=65_536)
-def _copy_rules(src: tuple, dst: tuple, mesh_shape: tuple[int, ...]) -> tuple:
-    """(rule, spec before, spec whole over the axis, axis, dims) per step that may copy:
-    "gather" (dims: the gathered dim, None for a strided shard), "scatter", "chunk" (a
-    local Replicate -> Shard) and "all_to_all" (dims: from, to). Specs only: one answer
-    for every shape."""
+def copy_plan(src: tuple, dst: tuple, mesh_shape: tuple[int, ...], backend: str) -> tuple:
+    """(rule, splits before, splits whole over the axis, the axis's size, dims, on a CPU
+    group) per step that may copy, each spec as its `memory.shard_splits`: "gather"
+    (dims: the gathered dim, None for a strided shard), "scatter", "chunk" (a local
+    Replicate -> Shard) and "all_to_all" (dims: from, to). Specs only: one answer for
+    every shape (`copied_bytes` sizes it)."""
     if not strided_reachable(src, dst):
         return ()
+    cpu = device_for_backend(backend) == "cpu"
     out = []
     for axis, before, cur, tgt in redistribute_plan(src, dst, mesh_shape):
         kind = transition_kind(cur, tgt)
@@ -113,18 +117,22 @@ def _copy_rules(src: tuple, dst: tuple, mesh_shape: tuple[int, ...]) -> tuple:
             continue
         whole = list(before)
         whole[axis] = Replicate()
-        whole = tuple(whole)
         d_cur, d_tgt = shard_dim(cur), shard_dim(tgt)
         if kind is Collective.ALL_GATHER:
             dim = None if isinstance(cur, StridedShard) else d_cur
-            if dim != 0:  # along dim 0: the collective's own layout, never a copy
-                out.append(("gather", tuple(before), whole, axis, (dim,)))
+            if dim == 0:  # along dim 0: the collective's own layout, never a copy
+                continue
+            rule, dims = "gather", (dim,)
         elif kind is Collective.REDUCE_SCATTER and d_tgt:
-            out.append(("scatter", tuple(before), whole, axis, (d_tgt,)))
+            rule, dims = "scatter", (d_tgt,)
         elif kind is Collective.ALL_TO_ALL:
-            out.append(("all_to_all", tuple(before), whole, axis, (d_cur, d_tgt)))
+            rule, dims = "all_to_all", (d_cur, d_tgt)
         elif kind is Collective.LOCAL and cur.is_replicate() and d_tgt is not None:
-            out.append(("chunk", tuple(before), whole, axis, (d_tgt,)))
+            rule, dims = "chunk", (d_tgt,)
+        else:
+            continue
+        splits = shard_splits(before, mesh_shape), shard_splits(whole, mesh_shape)
+        out.append((rule, *splits, mesh_shape[axis], dims, cpu))
     return tuple(out)
 
 

@@ -60,7 +60,7 @@ from autopar.capture.export import layer_of
 from autopar.capture.operands import Operand, tensor_operands
 from autopar.cluster import Cluster
 from autopar.cost_models import comm, compute, memory, optimizer
-from autopar.cost_models.reshard import reshard_seconds, same_spec
+from autopar.cost_models.reshard import Move, move_of, same_spec
 from autopar.cost_models.ring import ring_attention_time, ring_forward_time
 from autopar.passes.strategies import NodeStrategy, Spec, summed_spec
 from autopar.passes.strategies.rules import attention, random_ops, regions
@@ -136,6 +136,7 @@ class CostContext(EdgeMatrices, EdgeCollectives):
         self._alive: dict[int, object] = {}  # the objects `_parts` keys by id
         self._priced: dict[tuple, tuple[float, float]] = {}  # `edge_parts` by content
         self._redistributed: dict[tuple, float] = {}  # `_redistribute` memo
+        self._moves: dict[tuple, Move] = {}  # `reshard.move_of` by spec numbers
         self._grad_src_numbers: dict[int, tuple[int, tuple]] = {}
         self._vias: dict[tuple, tuple | None] = {}  # `EdgeValue.through_source`, by numbers
         self._grad_specs: dict[tuple[int, int], tuple] = {}
@@ -480,13 +481,17 @@ class CostContext(EdgeMatrices, EdgeCollectives):
 
     def _redistribute(self, key: tuple, src, dst, into_partial: bool = False) -> float:
         """`reshard_seconds`, memoized by `key`: (source and destination spec numbers,
-        shape, item size, into a Partial, the transpose of a value moved as its source)."""
+        shape, item size, into a Partial, the transpose of a value moved as its source);
+        what the move runs is read once per pair of numbers (`reshard.Move`)."""
         found = self._redistributed.get(key)
         if found is None:
-            _, _, shape, itemsize, _, via = key
-            found = self._redistributed[key] = reshard_seconds(
-                self.cluster, tuple(src), tuple(dst), shape, itemsize, into_partial, via
-            )
+            n_src, n_dst, shape, itemsize, _, via = key
+            pair = (n_src, n_dst, into_partial, via)
+            if (move := self._moves.get(pair)) is None:
+                move = self._moves[pair] = move_of(
+                    self.cluster, tuple(src), tuple(dst), into_partial, via
+                )
+            found = self._redistributed[key] = move.seconds(self.cluster, shape, itemsize)
         return found
 
 
