@@ -41,7 +41,7 @@ def _step_shares(n: int, causal: bool) -> np.ndarray:
     """[rank][step]: the share of its kernel time a rank spends at each step."""
     if not causal:
         return np.full((1, n), 1.0 / n)
-    return np.asarray(causal_step_work(n), dtype=np.float64) / (n / 2)
+    return causal_step_work(n) / (n / 2)
 
 
 def _overlapped(kernel_s: float, shares: np.ndarray, pass_s: float, last_s: float) -> float:

@@ -62,6 +62,7 @@ from collections.abc import Callable, Sequence
 from functools import cache
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -162,19 +163,20 @@ def key_spans(c: int, j: int) -> list[Span]:
 
 
 @cache
-def causal_step_work(size: int) -> tuple[tuple[float, ...], ...]:
+def causal_step_work(size: int) -> np.ndarray:
     """Blocks of kernel work each rank does at each step of the balanced causal ring (a
     quarter block per full half by half, half that on the diagonal): ``[rank][step]``,
-    every rank's sum ``size / 2``."""
-    work = []
-    for rank in range(size):
-        steps = []
-        for s in range(size):
-            j = (rank - s) % size
-            spans = [sp for c in query_halves(rank, size) for sp in key_spans(c, j)]
-            steps.append(sum(count / (8 if causal else 4) for _, count, causal in spans))
-        work.append(tuple(steps))
-    return tuple(work)
+    every rank's sum ``size / 2``. What query half ``c`` computes against block ``j``
+    (`key_spans`) depends on ``c - 2j`` alone (nothing below 0, both halves from 2 on):
+    each rank's and step's work is read off those three, for every rank at once (an
+    array, read-only: it is cached)."""
+    per_offset = [sum(n / (8 if diag else 4) for _, n, diag in key_spans(d, 0)) for d in range(3)]
+    table = np.array([0.0, *per_offset])  # offset -1 (and below): nothing
+    rank = np.arange(size)[:, None]
+    j = (rank - np.arange(size)[None, :]) % size  # the block each rank holds at each step
+    work = sum(table[np.clip(c - 2 * j, -1, 2) + 1] for c in query_halves(rank, size))
+    work.setflags(write=False)
+    return work
 
 
 def _half_sizes(rows: int) -> list[int]:
