@@ -248,6 +248,25 @@ def test_balanced_causal_ring_covers_the_mask_once_with_even_work() -> None:
         assert sorted(pairs) == below
 
 
+def test_causal_step_work_is_what_each_rank_computes_at_each_step() -> None:
+    """The pricing's table (read for every rank at once) holds, at rank r and step s, the
+    blocks of the spans `key_spans` gives r's query halves against the K/V block it holds
+    then, ``(r - s) mod n``: a quarter per full half by half, an eighth on the diagonal."""
+    for n in (1, 2, 3, 5, 8, 13, 32):
+        want = [
+            [
+                sum(
+                    count / (8 if causal else 4)
+                    for c in query_halves(rank, n)
+                    for _, count, causal in key_spans(c, (rank - step) % n)
+                )
+                for step in range(n)
+            ]
+            for rank in range(n)
+        ]
+        assert causal_step_work(n).tolist() == want, n
+
+
 def _on_thread_ring(n: int, fn: Callable[[Ring], object]) -> list:
     """``fn(ring)`` of every rank of a :class:`_ThreadRing` of ``n``, run at once."""
     boxes = {(a, b): queue.Queue() for a in range(n) for b in range(n)}
