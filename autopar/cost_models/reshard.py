@@ -3,7 +3,10 @@
 `reshard_seconds(cluster, src, dst, shape, itemsize)`, `reshard_parts(...)` (its
 collectives), `rearrange_seconds(...)` (its local copies, `cost_models.rearrange`) and
 `same_spec(src, dst)` (nothing moves). Memoized over (cluster, specs,
-shape, item size): a model's ops ask for the same few moves again and again.
+shape, item size): a model's ops ask for the same few moves again and again. What a move
+runs (its collectives, launches and copies) depends on the specs and the mesh alone: it is
+read once per pair of specs (`move_of` -> `Move`) and sized per shape (`Move.seconds`; the
+search keeps the `Move` by its specs' numbers, `search.costs`).
 """
 
 from __future__ import annotations
