@@ -344,6 +344,11 @@ class CostContext(EdgeMatrices, EdgeCollectives):
         fwd, bwd = self.edge_parts(op, src, v, s, pos)
         return self.weights.of(v) * (fwd + self.sync_weight(op, src, v, s, pos) * bwd)
 
+    def counted_in_full(self, op: Operand) -> bool:
+        """Every backward part of an edge reading `op` counts once per microbatch
+        (`sync_weight` 1, whatever the specs): not a weight's, or no pipeline weights."""
+        return not self.is_weight(op.producer) or self.weights.sync == 1.0
+
     def sync_weight(self, op: Operand, src, v: fx.Node, s: NodeStrategy, pos: int) -> float:
         """How often the backward part of an edge reading `op` (spec `src`) as input `pos`
         of `v` running `s` counts per microbatch, as the pipeline runtime reduces weight
@@ -353,7 +358,7 @@ class CostContext(EdgeMatrices, EdgeCollectives):
         backward. A mixed edge counts each part at its rate (by its time). A Megatron TP
         weight, sharded on tp and replicated on dp, is all-reduced on dp once per step:
         priced per microbatch, the ILP stored it replicated on tp too, or FSDP-sharded."""
-        if not self.is_weight(op.producer) or self.weights.sync == 1.0:
+        if self.counted_in_full(op):
             return 1.0
         grads = self.grad_reductions(op, src, v, s, pos)
         times = [

@@ -75,7 +75,7 @@ def enters_partial(v: fx.Node, pos: int) -> bool:
 
 class EdgeMatrices:
     """The matrix memos of `CostContext` (which provides `_parts_of`, `sync_weight`,
-    `is_weight`, `weights`, `_grad_spec_at_consumer` and `_alive`)."""
+    `counted_in_full`, `_grad_spec_at_consumer` and `_alive`)."""
 
     def __init__(self) -> None:
         self._specs: dict[int, int] = {}  # id of a spec -> its number in `_numbers`
@@ -109,7 +109,7 @@ class EdgeMatrices:
             empty = (0.0, 0.0) if kind == "parts" else 1.0
             if val is None:
                 found = [[empty] * len(ss) for _ in srcs]
-            elif kind == "sync" and not (self.is_weight(op.producer) and self.weights.sync != 1):
+            elif kind == "sync" and self.counted_in_full(op):
                 found = [[1.0] * len(ss) for _ in srcs]  # `sync_weight`'s every cell
             else:  # what the operand is, read once for the whole matrix
                 edge = EdgeValue.of(self, op, val, v, pos)

@@ -262,9 +262,9 @@ def _bounded(
 
 
 def _covering(fs: _Factors, branches: list[_Branch], answer: float):
-    """(b, whole): an earlier branch `b` whose every cost is at most `fs`'s at the same
+    """(b, entirely): an earlier branch `b` whose every cost is at most `fs`'s at the same
     choices (a layer's lever that adds work, never saves it), and whether it covers `fs`
-    whole: every memory at most `fs`'s too (each assignment of `fs` has one in `b` no
+    entirely: every memory at most `fs`'s too (each assignment of `fs` has one in `b` no
     dearer and no larger, so none of `fs`'s choices need be kept). Otherwise `b.bound`
     must be its least cost (lam 0) and no less than the best `answer`: `fs` holds nothing
     cheaper. None where no branch covers `fs`."""
