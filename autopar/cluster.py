@@ -45,7 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from autopar.devices import local_preset, process_group_device
+from autopar.devices import device_mesh, local_preset, process_group_device
 from autopar.hardware import DeviceSpec, Fabric, Link
 
 __all__ = ["Cluster", "DeviceSpec", "Fabric", "Link", "PRESETS"]
@@ -393,16 +393,18 @@ class Cluster:
         )
 
     def device_mesh(self, device_type: str | None = None) -> Any:
-        """``init_device_mesh`` over this cluster's mesh (needs an initialized process group).
+        """The DeviceMesh over this cluster's mesh (needs an initialized process group; one
+        per process: ``devices.device_mesh``).
 
         The device type is that of the running process group (``process_group_device``):
         ``"cuda"`` under NCCL, ``"cpu"`` under gloo, whatever machine the cluster describes
         (a plan for a DGX priced on a gloo box still runs on the box's CPUs)."""
-        from torch.distributed.device_mesh import init_device_mesh
+        import torch
 
         if device_type is None:
             device_type = process_group_device(self.backend)
-        return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.axis_names)
+        ranks = torch.arange(math.prod(self.mesh_shape)).reshape(self.mesh_shape)
+        return device_mesh(device_type, ranks, self.axis_names)
 
 
 def with_pipeline_axis(cluster: Cluster, stages: int | None) -> Cluster:

@@ -7,6 +7,7 @@ a GPU for each, else gloo; NCCL without enough GPUs is a ValueError) and
 ``local_preset`` names the cluster preset ``Cluster.local`` prices this device with.
 ``free_port`` and ``init_rank`` start a local multi-process job (tests, calibration,
 benchmarks): one thread per rank, its own GPU under NCCL, a bounded collective timeout.
+``device_mesh`` builds each DeviceMesh (and its process groups) once per process.
 Planning on the fake process group (shapes only) keeps CPU meshes: see ``planning``.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+from typing import Any
 
 import torch
 
@@ -108,3 +110,30 @@ def init_rank(rank: int, world: int, port: int, backend: str, timeout_s: float =
     dist.init_process_group(
         backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
     )
+
+
+# (the default group the meshes were built on, {(device type, ranks, axis names): mesh})
+_MESHES: tuple[object, dict] = (None, {})
+
+
+def device_mesh(device_type: str, ranks: torch.Tensor, names: tuple[str, ...]) -> Any:
+    """The DeviceMesh over `ranks` (its shape is the mesh's) with axis `names`, built once
+    per process and default group: building one makes a process group per axis, each with
+    its own worker threads and sockets under gloo, and nothing ever frees them, so a
+    process that compiles many plans (a benchmark's runs, the test suite's kept ranks:
+    ~700 threads and ~1,200 open sockets a rank after 200 parity cases) would hold a set
+    per compile. Collectives are ordered per group alike on every rank, so two programs
+    may share a mesh's groups. Every rank must ask for the same meshes in the same order
+    (the first ask builds its groups collectively)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    global _MESHES
+    world = dist.group.WORLD
+    if _MESHES[0] is not world:  # a new default group: the old meshes' groups are gone
+        _MESHES = (world, {})
+    key = (device_type, tuple(ranks.shape), tuple(ranks.flatten().tolist()), tuple(names))
+    meshes = _MESHES[1]
+    if key not in meshes:
+        meshes[key] = DeviceMesh(device_type, ranks, mesh_dim_names=tuple(names))
+    return meshes[key]

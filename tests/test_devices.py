@@ -3,7 +3,7 @@
 Checked on the CPU: which backend N local processes get (NCCL only with a GPU each, with a
 clear error otherwise), which device a backend runs on, which preset `Cluster.local` prices
 a GPU with, that under a live gloo group `Cluster.local` and `device_mesh` give the CPU
-(whatever machine the cluster describes), that local shards land on the mesh's device,
+(whatever machine the cluster describes) and is built once per process, that local shards land on the mesh's device,
 that a plan splitting attention on the sequence is refused off the CPU (its kernels'
 handlers exist for the CPU flash kernels only),
 and that `autopar run --backend` and the test harness follow the same choice. The NCCL
@@ -121,6 +121,31 @@ def test_local_chunk_lands_on_the_mesh_device(gloo_group) -> None:
     assert local.untyped_storage().data_ptr() != full.untyped_storage().data_ptr()
     meta = local_chunk(torch.empty(4, 2, device="meta"), (Replicate(),), mesh)
     assert meta.is_meta and meta.shape == (4, 2)  # shapes only: stays on meta
+
+
+def test_a_mesh_and_its_process_groups_are_built_once_per_default_group() -> None:
+    """Compiling again in a process reuses the mesh of the same shape and names (each gloo
+    group holds threads and sockets until the process ends); a new default group, new ones."""
+    from autopar._compat import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    cluster = Cluster.preset("cpu", mesh=(2, 2), axis_names=("dp", "tp"))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        first = cluster.device_mesh("cpu")
+        groups = len(dist.distributed_c10d._world.pg_map)
+        assert cluster.device_mesh("cpu") is first
+        assert len(dist.distributed_c10d._world.pg_map) == groups
+        other = Cluster.preset("cpu", mesh=(2, 2), axis_names=("tp", "dp")).device_mesh("cpu")
+        assert other is not first and len(dist.distributed_c10d._world.pg_map) > groups
+    finally:
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        assert cluster.device_mesh("cpu") is not first
+    finally:
+        dist.destroy_process_group()
 
 
 def test_run_backend_option() -> None:

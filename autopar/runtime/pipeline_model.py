@@ -25,6 +25,7 @@ from torch.distributed.pipelining import schedules as pp_schedules
 from torch.distributed.tensor import Shard
 
 from autopar.capture import Captured
+from autopar.devices import device_mesh
 from autopar.passes.precision import ParamBoundary, flat_shard
 from autopar.passes.stages import split_stages
 from autopar.plan import SCHEDULES, Plan, mixed_shapes, parse_spec, stage_ranks
@@ -449,7 +450,7 @@ def _stage_mesh(world_mesh: DeviceMesh, plan: Plan, pp_rank: int) -> DeviceMesh:
     meshes = {}
     for shape in sorted(set(pipeline.rank_meshes)):
         ranks = world_mesh.mesh.reshape(pipeline.pp, *shape)
-        meshes[shape] = DeviceMesh(world_mesh.device_type, ranks, mesh_dim_names=("pp", *names))
+        meshes[shape] = device_mesh(world_mesh.device_type, ranks, ("pp", *names))
     return meshes[pipeline.mesh_of(pp_rank)][names]  # the submesh holding this process
 
 
