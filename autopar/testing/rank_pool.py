@@ -9,7 +9,8 @@ ranks and they exit after it.
 
 `fn` must be importable by name (a module-level function) and return JSON-able data; it runs
 after the default process group is up. A rank that dies (a native crash) or a call that
-outlives `timeout_s` breaks the pool: the call raises with each rank's exit code, the
+outlives `timeout_s` breaks the pool: the call raises naming each rank that died and its
+signal (a peer of a crashed rank fails in its next collective, which names nothing), the
 processes are killed, and the next call starts a fresh pool.
 """
 
@@ -19,6 +20,7 @@ import faulthandler
 import json
 import os
 import queue
+import signal
 import tempfile
 import time
 import traceback
@@ -96,18 +98,33 @@ class RankPool:
                 timed_out = time.monotonic() > deadline
                 if self.alive() and not timed_out:
                     continue
-                codes = [p.exitcode for p in self.procs]
+                died, codes = self._died(wait_s=0.0), [_exit_name(p.exitcode) for p in self.procs]
                 self.close()
                 why = f"timed out after {timeout_s:.0f} s" if timed_out else "a rank died"
                 raise RuntimeError(
-                    f"the ranks stopped before finishing ({why}; exit codes by rank: "
+                    f"{died}the ranks stopped before finishing ({why}; exit codes by rank: "
                     f"{codes}); see their output above"
                 ) from None
             if error is not None:
+                died = self._died(wait_s=5.0)
                 self.close()
-                raise RuntimeError(f"rank {rank} failed:\n{error}")
+                raise RuntimeError(f"{died}rank {rank} failed:\n{error}")
             got[rank] = result
         return [got[r] for r in range(self.world)]
+
+    def _died(self, wait_s: float) -> str:
+        """Which ranks died (a native crash), waiting up to `wait_s` for one to: a rank
+        whose peer crashed fails in its next collective ("Connection closed by peer"),
+        and the crash, not that, is the cause."""
+        deadline = time.monotonic() + wait_s
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if p.exitcode is not None]
+        return "".join(
+            f"rank {r} died ({_exit_name(code)}; its native error and stack are in the "
+            "output above)\n"
+            for r, code in dead
+        )
 
     def close(self) -> None:
         for q, p in zip(self.jobs, self.procs, strict=True):
@@ -118,6 +135,19 @@ class RankPool:
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def _exit_name(code: int | None) -> str:
+    """A process's exit code in words: the signal that killed it (SIGSEGV, SIGABRT: a native
+    crash), else the code ("running": not exited)."""
+    if code is None:
+        return "running"
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            pass
+    return f"exit code {code}"
 
 
 def _rank_main(rank: int, world: int, port: int, backend: str, jobs, results) -> None:
