@@ -9,9 +9,10 @@ ranks and they exit after it.
 
 `fn` must be importable by name (a module-level function) and return JSON-able data; it runs
 after the default process group is up. A rank that dies (a native crash) or a call that
-outlives `timeout_s` breaks the pool: the call raises naming each rank that died and its
-signal (a peer of a crashed rank fails in its next collective, which names nothing), the
-processes are killed, and the next call starts a fresh pool.
+outlives `timeout_s` breaks the pool: the call raises naming each rank that died, its
+signal and the crashed thread's Python stack (faulthandler's report, kept per rank; a peer
+of a crashed rank fails in its next collective, which names nothing), the processes are
+killed, and the next call starts a fresh pool.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import faulthandler
 import json
 import os
 import queue
+import shutil
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -72,10 +75,12 @@ class RankPool:
         self.jobs = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         port = free_port()
+        # each rank's faulthandler report of a native crash, read into the error it causes
+        self.crash_dir = Path(tempfile.mkdtemp(prefix="autopar-ranks-"))
         self.procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(rank, world, port, backend, self.jobs[rank], self.results),
+                args=(rank, world, port, backend, self.jobs[rank], self.results, self.crash_dir),
                 daemon=False,  # a daemon may not start processes (inductor's compile workers)
             )
             for rank in range(world)
@@ -119,12 +124,19 @@ class RankPool:
         deadline = time.monotonic() + wait_s
         while self.alive() and time.monotonic() < deadline:
             time.sleep(0.1)
-        dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if p.exitcode is not None]
-        return "".join(
-            f"rank {r} died ({_exit_name(code)}; its native error and stack are in the "
-            "output above)\n"
-            for r, code in dead
-        )
+        out = ""
+        for r, p in enumerate(self.procs):
+            if p.exitcode is None:
+                continue
+            log = self.crash_dir / f"rank{r}.crash"
+            if log.exists() and log.stat().st_size:  # every thread's stack, for the record
+                print(f"[rank {r}] {log.read_text(errors='replace')}", file=sys.stderr)
+            report = _crash_report(log)
+            out += (
+                f"rank {r} died ({_exit_name(p.exitcode)}; its native error is in the output above)"
+            )
+            out += f":\n{report}\n" if report else "\n"
+        return out
 
     def close(self) -> None:
         for q, p in zip(self.jobs, self.procs, strict=True):
@@ -135,6 +147,7 @@ class RankPool:
             if p.is_alive():
                 p.kill()
                 p.join()
+        shutil.rmtree(self.crash_dir, ignore_errors=True)
 
 
 def _exit_name(code: int | None) -> str:
@@ -150,8 +163,28 @@ def _exit_name(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def _rank_main(rank: int, world: int, port: int, backend: str, jobs, results) -> None:
-    faulthandler.enable()  # a native crash on a rank prints every thread's Python stack
+def _crash_report(path: Path, lines: int = 40) -> str:
+    """What faulthandler wrote at a rank's native crash: the fatal error and the crashed
+    thread's Python stack (its first `lines` lines); "" if it wrote nothing."""
+    text = path.read_text(errors="replace") if path.exists() else ""
+    if not text.strip():
+        return ""
+    head = text.splitlines()[0]
+    current = text[text.find("Current thread") :] if "Current thread" in text else text
+    stack = current.split("\n\n")[0]  # up to the list of extension modules
+    return "\n".join([head, *stack.splitlines()[:lines]])
+
+
+_CRASH_LOG = None  # the open file a kept rank's faulthandler writes to
+
+
+def _rank_main(
+    rank: int, world: int, port: int, backend: str, jobs, results, crash_dir: Path
+) -> None:
+    global _CRASH_LOG
+    # a native crash on a rank writes every thread's Python stack there (`_crash_report`)
+    _CRASH_LOG = open(crash_dir / f"rank{rank}.crash", "w")  # noqa: SIM115 (the process's)
+    faulthandler.enable(file=_CRASH_LOG)
     parent = os.getppid()  # the fork server, which exits with the process that started it
     try:
         init_rank(rank, world, port, backend)
