@@ -129,9 +129,10 @@ class RankPool:
             if p.exitcode is None:
                 continue
             log = self.crash_dir / f"rank{r}.crash"
-            if log.exists() and log.stat().st_size:  # every thread's stack, for the record
-                print(f"[rank {r}] {log.read_text(errors='replace')}", file=sys.stderr)
-            report = _crash_report(log)
+            text = log.read_text(errors="replace") if log.exists() else ""
+            if text.strip():  # every thread's stack, for the record
+                print(f"[rank {r}] {text}", file=sys.stderr)
+            report = _crash_report(text)
             out += (
                 f"rank {r} died ({_exit_name(p.exitcode)}; its native error is in the output above)"
             )
@@ -163,10 +164,9 @@ def _exit_name(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def _crash_report(path: Path, lines: int = 40) -> str:
-    """What faulthandler wrote at a rank's native crash: the fatal error and the crashed
+def _crash_report(text: str, lines: int = 40) -> str:
+    """Of what faulthandler wrote at a rank's native crash, the fatal error and the crashed
     thread's Python stack (its first `lines` lines); "" if it wrote nothing."""
-    text = path.read_text(errors="replace") if path.exists() else ""
     if not text.strip():
         return ""
     head = text.splitlines()[0]
@@ -175,16 +175,12 @@ def _crash_report(path: Path, lines: int = 40) -> str:
     return "\n".join([head, *stack.splitlines()[:lines]])
 
 
-_CRASH_LOG = None  # the open file a kept rank's faulthandler writes to
-
-
 def _rank_main(
     rank: int, world: int, port: int, backend: str, jobs, results, crash_dir: Path
 ) -> None:
-    global _CRASH_LOG
-    # a native crash on a rank writes every thread's Python stack there (`_crash_report`)
-    _CRASH_LOG = open(crash_dir / f"rank{rank}.crash", "w")  # noqa: SIM115 (the process's)
-    faulthandler.enable(file=_CRASH_LOG)
+    # a native crash on a rank writes every thread's Python stack there (`_crash_report`);
+    # faulthandler holds the file open for the process's life
+    faulthandler.enable(file=open(crash_dir / f"rank{rank}.crash", "w"))
     parent = os.getppid()  # the fork server, which exits with the process that started it
     try:
         init_rank(rank, world, port, backend)
