@@ -95,7 +95,9 @@ class ParityResult:
     losses: list[float] = field(default_factory=list)
     ref_losses: list[float] = field(default_factory=list)
     loss_rel_err: float = 0.0
-    grad_err: float = 0.0  # max |g - g_ref| / (|g_ref|_max + tiny), over params and steps
+    # max |g - g_ref| / max(|g_ref|_max, GRAD_NOISE_FLOOR x the step's largest |g_ref|),
+    # over params and steps
+    grad_err: float = 0.0
     grad_abs_err: float = 0.0
     param_err: float = 0.0  # max |p - p_ref| after the last step
     # max |b - b_ref| over the buffers after the last step (BatchNorm statistics, counters)
@@ -118,6 +120,26 @@ class ParityResult:
     held: dict[str, int] = field(default_factory=dict)
     priced: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+
+
+# A parameter whose reference gradient stays below this fraction of the step's largest is
+# compared against that floor, not its own maximum: an attention key's bias has a gradient
+# of exactly zero in exact arithmetic (softmax ignores a constant added to every score), so
+# both runs hold float noise (~1e-11 where the largest gradient is ~0.1) and its relative
+# error would be noise over noise (Hugging Face BERT and OPT under tensor parallelism: 0.4-1.5).
+GRAD_NOISE_FLOOR = 1e-4
+
+
+def grad_scale(grads: dict[str, torch.Tensor]) -> float:
+    """The largest finite |gradient| entry of one step's reference gradients."""
+    return max(
+        (
+            float(g.abs().max())
+            for g in grads.values()
+            if g is not None and g.numel() and g.isfinite().all()
+        ),
+        default=0.0,
+    )
 
 
 def test_backend(world_size: int, gpus: int | None = None) -> str:
@@ -448,6 +470,7 @@ def run_case(case: ParityCase, plans: dict | None = None) -> ParityResult:
             ref_grads = grads_at(model, batch, here, case.mixed_precision)
         loss = float(pm.forward_backward(*batch))
         res.losses.append(loss)
+        floor = GRAD_NOISE_FLOOR * grad_scale(ref_grads)
         for fqn, grad in pm.local_grads().items():
             full_ref = ref_grads[fqn]
             if hasattr(pm, "expected_grad"):  # ZeRO: the flat shard this rank holds
@@ -462,7 +485,7 @@ def run_case(case: ParityCase, plans: dict | None = None) -> ParityResult:
                 continue
             err = (grad - want.to(grad.device)).abs().max().item()
             res.grad_abs_err = max(res.grad_abs_err, err)
-            res.grad_err = max(res.grad_err, err / (want.abs().max().item() + 1e-12))
+            res.grad_err = max(res.grad_err, err / max(want.abs().max().item(), floor, 1e-12))
         if step == case.steps - 1 and hasattr(pm, "state"):
             res.held, res.priced = held_bytes(pm), priced_bytes(pm.plan, tuple(pm.mesh.shape))
         pm.optimizer_step()
