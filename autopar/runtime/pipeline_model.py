@@ -259,12 +259,14 @@ class PipelineModel(TrainingSteps):
                 full = gather_full(local, parse_spec(t.spec), self.mesh, t.shape)
                 for fqn in [t.fqn, *self.captured.aliases.get(t.fqn, [])]:
                     mine[fqn] = full
+            for i, name in enumerate(m.stage.buffers):  # whole, as the parameters
+                if name in self.captured.buffers:  # not a lifted constant
+                    t, local = tensors[name], getattr(m, f"b{i}")
+                    full = gather_full(local, parse_spec(t.spec), self.mesh, t.shape)
+                    mine[self.captured.buffers[name]] = full
         gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
         dist.all_gather_object(gathered, mine if self._stage_coord_zero() else {})
-        merged = {k: v for part in gathered for k, v in part.items()}
-        for name, fqn in self.captured.buffers.items():
-            merged.setdefault(fqn, self._buffer_full(name))
-        return merged
+        return {k: v for part in gathered for k, v in part.items()}
 
     # ---- helpers -----------------------------------------------------------------------
     def _smaller_run(self, smaller: SmallerMicrobatches, full: dict[str, torch.Tensor]) -> _Run:
@@ -330,12 +332,6 @@ class PipelineModel(TrainingSteps):
 
     def _stage_coord_zero(self) -> bool:
         return all(c == 0 for c in self.mesh.get_coordinate())
-
-    def _buffer_full(self, name: str) -> torch.Tensor | None:
-        for m in self.modules.values():
-            if name in m.stage.buffers:
-                return getattr(m, f"b{m.stage.buffers.index(name)}")
-        return None
 
 
 def _complete(module: StageModule, index: int, grad: torch.Tensor, mesh: DeviceMesh) -> None:
