@@ -421,3 +421,25 @@ def test_pass_changes_no_number() -> None:
                 print(row)
                 assert row["bitwise"], row
                 assert row["loss_err"] < 1e-5 and row["grad_err"] < 1e-5, row
+
+
+def test_a_layer_gathers_one_flat_buffer_per_dtype(fake_group) -> None:
+    """FSDP under the bf16 policy on Hugging Face's Gemma-2: a norm weight is read as
+    `1 + w.float()` and its plan gathers that fp32 value, beside the layer's bf16 weights.
+    Fused into one flat buffer, `cat` promoted the bf16 members to fp32 and the matmuls read
+    fp32 weights (a dtype error at the first step): a layer's gathers are fused per dtype,
+    as the cost model prices them (`edge_collectives.weight_gathers`, keyed by item size)."""
+    model, batch = load_model("tests/models/hf_gemma2.py:build", "tiny", 8, seed=0)
+    cluster = autopar.Cluster.local(mesh=(4,), axis_names=("dp",))
+    options = PlanOptions(strategy="fsdp", mixed_precision="bf16")
+    plan, captured, mesh = plan_for_ranks(model, batch, cluster, None, options, None)
+    gm = ParallelModel(model, captured, plan, mesh, comm=CommOptions()).program.gm
+    dtypes: dict[tuple, set] = {}
+    for g in _starts(gm):
+        if g.target is not ALL_GATHER or layer_of(g) is None:
+            continue
+        flat = g.args[0]
+        members = flat.args[0] if flat.target is torch.ops.aten.cat.default else [flat]
+        assert {m.meta["val"].dtype for m in members} == {g.meta["val"].dtype}, g
+        dtypes.setdefault((layer_of(g), is_backward(g)), set()).add(g.meta["val"].dtype)
+    assert {torch.bfloat16, torch.float32} in list(dtypes.values()), dtypes

@@ -65,7 +65,9 @@ def _key(node: fx.Node) -> tuple | None:
         layer = layer_of(node)
         if layer is None:
             return None
-        return ("ag", layer, is_backward(node), _reads_only_state(node), *node.args[1:])
+        # one dtype per flat buffer: a norm weight gathered after its `1 + w.float()`
+        # (Gemma's) beside a layer's bf16 weights would promote the whole buffer to fp32
+        return ("ag", layer, is_backward(node), _reads_only_state(node), *node.args[1:], val.dtype)
     if not is_backward(node):
         return None  # forward reductions (TP activations, the loss) are needed at once
     # backward: gradient reductions (`_bucket` keeps those read only by the output)
