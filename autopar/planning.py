@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import gc
 import math
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -486,8 +487,12 @@ def memory_bound(cluster: Cluster, memory_limit: float | None) -> float:
 
 @contextmanager
 def fake_group(world: int) -> Iterator[None]:
-    """Planning needs a process group of the cluster's size: a fake one, unless one runs."""
+    """Planning needs a process group of the cluster's size: a fake one, unless one runs.
+    A fake group made here is destroyed on the way out, and `sys.excepthook` restored:
+    `init_process_group` wraps it to prefix "[rank0]: " to every traceback line, and a
+    process planning N times would print each line of its next error with N prefixes."""
     owns_group = not dist.is_initialized()
+    hook = sys.excepthook
     if owns_group:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     elif dist.get_world_size() != world:
@@ -501,3 +506,4 @@ def fake_group(world: int) -> Iterator[None]:
     finally:
         if owns_group:
             dist.destroy_process_group()
+            sys.excepthook = hook

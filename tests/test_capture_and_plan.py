@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import replace
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import autopar
@@ -286,3 +288,17 @@ def test_plan_profile_and_progress() -> None:
     for name in (*PHASES, "total"):
         assert re.search(rf"^\s+{re.escape(name)}\s+\d+\.\d\d s$", profile, re.M), name
     assert "searching: " in result.stderr and "searching: " not in result.stdout
+
+
+def test_planning_leaves_the_process_excepthook_alone() -> None:
+    """Each fake group `init_process_group` makes wraps `sys.excepthook` (a "[rank0]: "
+    prefix on every traceback line); planning restores it, so a process that plans many
+    times prints its next error once, unprefixed."""
+    from autopar.planning import fake_group
+
+    before = sys.excepthook
+    for _ in range(2):
+        with fake_group(4):
+            assert dist.is_initialized()
+    assert sys.excepthook is before
+    assert not dist.is_initialized()
