@@ -268,8 +268,9 @@ def capture_template(
         kept = traced.copy()
         captured = finish(traced, root, loss_fn is not None)
     layers = list(dict.fromkeys(filter(None, map(layer_of, captured.gm.graph.nodes))))
-    if len(layers) != keep:  # the stack is not what forward iterates over: no shortcut
-        return Template(capture(model, args, loss_fn))
+    if len(layers) != keep:  # the stack is not what forward iterates over (or not alone:
+        # an encoder-decoder's other stack): no shortcut, the whole model at any rows
+        return Template(capture(model, args, loss_fn, tracer))
     weights = {layers[-1]: float(len(blocks) - keep + 1)}
     if keep != 2:  # `expand_blocks` repeats block 1 of two
         kept = None
