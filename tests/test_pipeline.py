@@ -22,8 +22,11 @@ import dataclasses
 import math
 
 import pytest
+import torch
+import torch.fx as fx
 
 from autopar.plan import SCHEDULES, stage_ranks
+from autopar.runtime.pipeline import _identity_compiler
 from autopar.search.schedules import TORCH_CLASSES, replay, simulate
 from autopar.search.stage_cuts import balanced_cuts
 from autopar.testing.parity import LR, ParityCase, run_parity
@@ -677,3 +680,13 @@ def test_schedules_that_fail_alike_are_named_together() -> None:
     failures = [(s, str(two.value)) for s in ("gpipe", "1f1b")]
     failures += [(s, str(four.value)) for s in ("interleaved1f1b", "zbv")]
     assert _grouped(failures) == f"gpipe, 1f1b: {two.value}; interleaved1f1b, zbv: {four.value}"
+
+
+def test_stage_programs_take_aot_autograds_boxed_arguments() -> None:
+    """A stage's graphs are handed back to AOTAutograd boxed (a plain callable made it warn
+    "Your compiler for AOTAutograd is returning a function that doesn't take boxed
+    arguments" on every rank of every pipeline run), and called with the argument list."""
+    gm = fx.symbolic_trace(lambda x, y: x + y)
+    compiled = _identity_compiler(gm, [])
+    assert getattr(compiled, "_boxed_call", False)
+    assert compiled([torch.ones(2), torch.ones(2)]).tolist() == [2.0, 2.0]

@@ -40,7 +40,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from autopar._compat import aot_function, cached_sharding_propagation, default_partition
+from autopar._compat import (
+    aot_function,
+    cached_sharding_propagation,
+    default_partition,
+    make_boxed_func,
+)
 from autopar.passes.comm import CommOptions, optimize_comm, options_of
 from autopar.passes.lower import PlacedInterpreter, _wrap
 from autopar.passes.precision import ParamBoundary
@@ -56,7 +61,9 @@ from autopar.search.schedules import ZERO_BUBBLE
 
 
 def _identity_compiler(gm, _example_inputs):
-    return gm
+    """The graph as it is, called with AOTAutograd's boxed argument list (a plain callable
+    makes AOTAutograd warn on every rank at its first call)."""
+    return make_boxed_func(gm)
 
 
 def _comm_compiler(inner, comm: CommOptions, backward: bool):
