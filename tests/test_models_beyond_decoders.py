@@ -16,7 +16,7 @@
 * A Hugging Face Mixtral (``tests/models/hf_mixtral.py``) with its experts as gathers and
   batched matmuls (``_experts_implementation = "batched_mm"``); with Hugging Face's default
   (an opaque custom op) planning stops with the op, its line and that setting as the fix.
-* A Hugging Face BERT (``tests/models/hf_bert.py``): an encoder with a tied masked-LM head,
+* A Hugging Face BERT (``tests/models/hf_families.py``): an encoder with a tied masked-LM head,
   whose attention keys' bias has a gradient of float noise in both runs (compared against
   the step's gradient scale, ``testing.parity.GRAD_NOISE_FLOOR``).
 
@@ -40,7 +40,7 @@ STEPS = 2
 MOE = f"{Path(__file__).resolve()}:build_moe"
 HF_GPT2 = "tests/models/hf_gpt2.py:build"
 HF_MIXTRAL = "tests/models/hf_mixtral.py:build"
-HF_BERT = "tests/models/hf_bert.py:build"
+HF_FAMILIES = "tests/models/hf_families.py:build"
 
 
 class OneHotMoE(nn.Module):
@@ -118,7 +118,7 @@ CASES = [
     ParityCase(MOE, *TWO_D, ("dp", "tp"), steps=STEPS),
     ParityCase(HF_GPT2, *TWO_D, ("dp", "tp"), steps=STEPS),
     ParityCase(HF_MIXTRAL, *TWO_D, ("dp", "tp"), config="batched_mm", steps=STEPS),
-    ParityCase(HF_BERT, *TWO_D, ("dp", "tp"), steps=STEPS),
+    ParityCase(HF_FAMILIES, *TWO_D, ("dp", "tp"), config="bert", steps=STEPS),
 ]
 
 

@@ -429,7 +429,7 @@ def test_a_layer_gathers_one_flat_buffer_per_dtype(fake_group) -> None:
     Fused into one flat buffer, `cat` promoted the bf16 members to fp32 and the matmuls read
     fp32 weights (a dtype error at the first step): a layer's gathers are fused per dtype,
     as the cost model prices them (`edge_collectives.weight_gathers`, keyed by item size)."""
-    model, batch = load_model("tests/models/hf_gemma2.py:build", "tiny", 8, seed=0)
+    model, batch = load_model("tests/models/hf_families.py:build", "gemma2", 8, seed=0)
     cluster = autopar.Cluster.local(mesh=(4,), axis_names=("dp",))
     options = PlanOptions(strategy="fsdp", mixed_precision="bf16")
     plan, captured, mesh = plan_for_ranks(model, batch, cluster, None, options, None)

@@ -10,7 +10,7 @@ schedules run each stage's backward split into its input- and weight-gradient ha
 cases run with the activations scattered over tp between the stages (`PipelinePlan.boundary`);
 on pp x dp, three run with their pipeline ranks on stage meshes of two shapes (dp x tp 2 x 1
 and 1 x 2, `PipelinePlan.rank_meshes`: activations cross "canonical"). A Hugging Face Llama
-(`tests/models/hf_llama.py`, its rotary buffer on the first stage only) runs 1F1B on pp x tp.
+(`tests/models/hf_families.py`, its rotary buffer on the first stage only) runs 1F1B on pp x tp.
 The drop-less MoE (`samples/_moe_dropless.py`, a region) runs pipelined on pp x dp: its
 aux-loss sum crosses the stage boundary and enters the next stage as the Partial its plan
 keeps.
@@ -31,7 +31,7 @@ from autopar.search.schedules import TORCH_CLASSES, replay, simulate
 from autopar.search.stage_cuts import balanced_cuts
 from autopar.testing.parity import LR, ParityCase, run_parity
 
-HF_LLAMA = "tests/models/hf_llama.py:build"
+HF_FAMILIES = "tests/models/hf_families.py:build"
 ALL = ("gpipe", "1f1b", "interleaved1f1b", "interleavedzb", "zbv", "dualpipev")
 STEPS = 3
 TOL = 1e-4
@@ -92,7 +92,8 @@ def test_pipeline_matches_single_device(world, mesh, names, strategy, schedules)
         ]
         # Hugging Face's Llama: its rotary buffer lives on the first stage only (the
         # harness reads every rank's whole state, `PipelineModel.full_state_dict`)
-        cases += _cases(HF_LLAMA, mesh, names, strategy, ("1f1b",))
+        hf = dict(config="llama4", steps=STEPS, schedule="1f1b", microbatches=4)
+        cases.append(ParityCase(HF_FAMILIES, mesh, names, strategy, **hf))
     if names == ("pp", "dp"):  # stage meshes of two shapes: rank 0 dp x tp 2 x 1, rank 1
         # 1 x 2 (a V holds the tied embedding and head on rank 0; 1F1B sums them over pp,
         # here under ZeRO-1: each rank's flat shards on its own mesh)
