@@ -92,7 +92,7 @@ def test_pipeline_matches_single_device(world, mesh, names, strategy, schedules)
         ]
         # Hugging Face's Llama: its rotary buffer lives on the first stage only (the
         # harness reads every rank's whole state, `PipelineModel.full_state_dict`)
-        hf = dict(config="llama4", steps=STEPS, schedule="1f1b", microbatches=4)
+        hf = dict(config="llama:4", steps=STEPS, schedule="1f1b", microbatches=4)
         cases.append(ParityCase(HF_FAMILIES, mesh, names, strategy, **hf))
     if names == ("pp", "dp"):  # stage meshes of two shapes: rank 0 dp x tp 2 x 1, rank 1
         # 1 x 2 (a V holds the tied embedding and head on rank 0; 1F1B sums them over pp,
