@@ -4,11 +4,12 @@
 
 Tracing a 112-block model takes tens of seconds, and the search prices many candidate
 meshes and microbatch shapes. Identical blocks cost the same on a given mesh, so the search
-captures the model with its block stack cut to the first `keep` blocks (the
-`nn.ModuleList` with the most children, all of one class with the same parameter shapes),
-and weighs the last captured block by the number of blocks it stands for
-(`Template.weights`, used as `CostWeights.layer`). The model is restored before returning;
-the stack is replaced only for the trace (`truncated_blocks`), never copied.
+captures the model with each block stack cut to its first `keep` blocks (`block_stacks`:
+every `nn.ModuleList` whose children are of one class with the same parameter shapes, an
+encoder-decoder's two; or all but the first, which T5 gives the relative position bias,
+then kept too), and weighs each stack's last captured block by the number of blocks it
+stands for (`Template.weights`, used as `CostWeights.layer`). The model is restored before
+returning; the stacks are replaced only for the trace (`truncated_blocks`), never copied.
 
 A model whose forward depends on the number of blocks other than by iterating over them
 would trace differently: the final plan is made on the whole model's graph, which
@@ -17,7 +18,9 @@ iteration (`autopar.capture.expand`) and three blocks built are blocks 0, 1 and 
 traced (one more trace of three blocks: a forward reading `len(self.layers)`, a last block
 unlike the others are traced instead; `autopar.plan` runs that trace in a forked process
 beside the final plan's own work, and plans on the trace where it disagrees), else the
-caller traces the whole model. A plan made
+caller traces the whole model (so it does for a template of several stacks, or of a
+stack whose first block differs: its plan is still solved on the template,
+`autopar.search.template_plan`). A plan made
 on a built graph says so (`plan.solver["graph"] == BUILT`); `compile` traces, and names the
 cause where the fingerprints then differ (`DEPTH_HINT`).
 """
@@ -25,12 +28,13 @@ cause where the fingerprints then differ (`DEPTH_HINT`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from autopar.capture.analysis import layer_order
 from autopar.capture.expand import expand_blocks
 from autopar.capture.export import (
     Captured,
@@ -39,7 +43,6 @@ from autopar.capture.export import (
     _WithLoss,
     capture,
     finish,
-    layer_of,
     trace,
 )
 from autopar.forked import Forked, can_fork
@@ -59,7 +62,7 @@ DEPTH_HINT = (
 @dataclass
 class Template:
     captured: Captured
-    total_layers: int | None = None  # blocks of the full model (None: nothing was cut)
+    total_layers: int | None = None  # the full model's blocks, all stacks (None: none cut)
     weights: dict[str, float] = field(default_factory=dict)  # layer name -> blocks it stands for
     # what the search solved on this template, by problem (`autopar.search.template_plan`):
     # the layout search's winner is not solved again for the final plan
@@ -174,12 +177,12 @@ def start_check(model: nn.Module, args: Sequence, loss_fn: Callable | None) -> _
     process can be forked). The layout search's first second traces its template (twice,
     on two cores: `capture.rows`); the check runs meanwhile, and a final plan built from
     that template (`Template.adopt`) finds its answer waiting."""
-    stack = block_stack(model)
-    if stack is None or len(stack[1]) <= TEMPLATE_BLOCKS or not can_fork():
-        return None
-    path, blocks = stack
-    fn = _three_traced(model, path, len(blocks), args, loss_fn)
-    return _Check(model, loss_fn, Forked.start(fn), _shapes(args), path, len(blocks))
+    stacks = _cut(model, TEMPLATE_BLOCKS)
+    if len(stacks) != 1 or stacks[0].first or not can_fork():
+        return None  # nothing cut, or a template `whole_model` does not expand
+    path, blocks = stacks[0].path, len(stacks[0].blocks)
+    fn = _three_traced(model, path, blocks, args, loss_fn)
+    return _Check(model, loss_fn, Forked.start(fn), _shapes(args), path, blocks)
 
 
 def _three_traced(model: nn.Module, path: str, blocks: int, args, loss_fn: Callable | None):
@@ -204,18 +207,37 @@ def _shapes(args: Sequence) -> tuple:
     )
 
 
-def block_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
-    """The model's repeated-block stack: the largest ModuleList of identical children."""
-    best: tuple[str, nn.ModuleList] | None = None
-    for name, module in model.named_modules():
+@dataclass(frozen=True)
+class BlockStack:
+    """A ModuleList of repeated blocks: its children from `first` on are identical (T5's
+    first block alone holds the relative position bias: `first` 1)."""
+
+    path: str
+    blocks: nn.ModuleList
+    first: int = 0
+
+    def kept(self, keep: int) -> int:
+        """The blocks a template of `keep` repeated blocks traces of this stack."""
+        return self.first + keep
+
+
+def block_stacks(model: nn.Module) -> list[BlockStack]:
+    """The model's stacks of repeated blocks (an encoder-decoder's two), outside one
+    another, largest first."""
+    found: list[BlockStack] = []
+    for name, module in model.named_modules():  # a stack's own lists come after it
         if not isinstance(module, nn.ModuleList) or len(module) < 2:
             continue
-        if _identical(module) and (best is None or len(module) > len(best[1])):
-            best = (name, module)
-    return best
+        if any(name.startswith(f"{s.path}.") for s in found):
+            continue
+        if _identical(module):
+            found.append(BlockStack(name, module))
+        elif len(module) > 2 and _identical(module[1:]):
+            found.append(BlockStack(name, module, first=1))
+    return sorted(found, key=lambda s: -len(s.blocks))
 
 
-def _identical(blocks: nn.ModuleList) -> bool:
+def _identical(blocks: Sequence[nn.Module]) -> bool:
     def shape(m: nn.Module):
         return type(m), tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters())
 
@@ -239,10 +261,10 @@ def truncated_blocks(model: nn.Module, path: str, keep: int | Sequence[int]) -> 
 
 
 def template_of(model: nn.Module, batch: Sequence, loss_fn: Callable | None) -> Template | None:
-    """The two-block template when the model repeats a block `TEMPLATE_MIN_BLOCKS` times or
-    more, else None."""
-    stack = block_stack(model)
-    if stack is None or len(stack[1]) < TEMPLATE_MIN_BLOCKS:
+    """The two-block template when the model repeats blocks `TEMPLATE_MIN_BLOCKS` times or
+    more (its stacks together), else None."""
+    stacks = _cut(model, TEMPLATE_BLOCKS)
+    if sum(len(s.blocks) for s in stacks) < TEMPLATE_MIN_BLOCKS:
         return None
     tpl = capture_template(model, batch, loss_fn, keep=TEMPLATE_BLOCKS)
     return tpl if tpl.total_layers is not None else None
@@ -255,26 +277,51 @@ def capture_template(
     keep: int = 2,
     tracer: Callable | None = None,
 ) -> Template:
-    """The model's first `keep` blocks traced on `args` (by `tracer(root, args)` when
-    given: the layout search's `autopar.capture.rows.AnyRows`, one trace for every
-    microbatch size), the last weighted by the blocks it stands for."""
-    stack = block_stack(model)
-    if stack is None or len(stack[1]) <= keep:
+    """The model with each stack cut to its first `keep` repeated blocks, traced on `args`
+    (by `tracer(root, args)` when given: the layout search's
+    `autopar.capture.rows.AnyRows`, one trace for every microbatch size); each stack's
+    last block traced weighted by the blocks it stands for."""
+    stacks = _cut(model, keep)
+    if not stacks:
         return Template(capture(model, args, loss_fn, tracer))
-    path, blocks = stack
     root = _WithLoss(model, loss_fn) if loss_fn is not None else model
-    with truncated_blocks(model, path, keep):
+    with ExitStack() as cut:
+        for stack in stacks:
+            cut.enter_context(truncated_blocks(model, stack.path, stack.kept(keep)))
         traced = (tracer or trace)(root, args)
         kept = traced.copy()
         captured = finish(traced, root, loss_fn is not None)
-    layers = list(dict.fromkeys(filter(None, map(layer_of, captured.gm.graph.nodes))))
-    if len(layers) != keep:  # the stack is not what forward iterates over (or not alone:
-        # an encoder-decoder's other stack): no shortcut, the whole model at any rows
+    prefix = "model." if loss_fn is not None else ""
+    weights = _stack_weights(layer_order(captured), stacks, keep, prefix)
+    if weights is None:  # a stack is not what forward iterates over: no shortcut, the
+        # whole model at any rows
         return Template(capture(model, args, loss_fn, tracer))
-    weights = {layers[-1]: float(len(blocks) - keep + 1)}
-    if keep != 2:  # `expand_blocks` repeats block 1 of two
-        kept = None
-    return Template(captured, len(blocks), weights, traced=kept, stack_path=path)
+    layers = len(layer_order(captured))
+    total = layers + round(sum(w - 1 for w in weights.values()))
+    if len(stacks) > 1 or stacks[0].first or keep != 2 or layers != keep:
+        # `expand_blocks` repeats block 1 of two, of one stack
+        return Template(captured, total, weights)
+    return Template(captured, total, weights, traced=kept, stack_path=stacks[0].path)
+
+
+def _cut(model: nn.Module, keep: int) -> list[BlockStack]:
+    """The stacks a template of `keep` repeated blocks cuts: those longer than that."""
+    return [s for s in block_stacks(model) if len(s.blocks) > s.kept(keep)]
+
+
+def _stack_weights(
+    layers: list[str], stacks: list[BlockStack], keep: int, prefix: str
+) -> dict[str, float] | None:
+    """Each cut stack's last traced block -> the blocks it stands for; None where the
+    traced blocks (`layers`, in graph order) are not each stack's kept ones in order."""
+    weights = {}
+    for stack in stacks:
+        path = prefix + stack.path
+        traced = [name for name in layers if name.rpartition(".")[0] == path]
+        if traced != [f"{path}.{i}" for i in range(stack.kept(keep))]:
+            return None
+        weights[traced[-1]] = float(len(stack.blocks) - stack.kept(keep) + 1)
+    return weights
 
 
 def _traces(captured: Captured, model: nn.Module, args: Sequence[torch.Tensor]) -> bool:

@@ -268,11 +268,11 @@ def solve_pipeline(
     options: SearchOptions,
     pipeline: PipelineOptions,
     layers: dict[str, float] | None = None,
-    total_layers: int | None = None,
 ) -> tuple[IntraOpResult, PricedSchedule, dict[str, float]]:
     """One ILP for the stage mesh, then every schedule (or the pinned one) priced; the
-    fastest that fits wins. `layers`/`total_layers`: the graph is a template whose layers
-    stand for `total_layers` (see `CostWeights`). Raises ValueError when none fits."""
+    fastest that fits wins. `layers`: the graph is a template whose weighted layers stand
+    for that many blocks each (see `CostWeights`, `LayerCosts.repeated`). Raises
+    ValueError when none fits."""
     pp = cluster.axis_size("pp")
     options, weights, ilp_limit = stage_ilp(cluster, options, pipeline, layers)
 
@@ -282,7 +282,7 @@ def solve_pipeline(
         return result
 
     def costs(result: IntraOpResult) -> LayerCosts:
-        return layer_costs(captured, result).repeated(total_layers or 0)
+        return layer_costs(captured, result).repeated(layers or {})
 
     return fitting_schedules(solve, costs, _planned, pp, cluster, pipeline, ilp_limit)
 

@@ -12,6 +12,7 @@ stage (a range of layers, `layer_range`) as they run with the communication pass
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from itertools import groupby
 
@@ -99,18 +100,20 @@ class LayerCosts:
     def time(self) -> list[float]:
         return [p.time for p in self.parts]
 
-    def repeated(self, total: int) -> LayerCosts:
-        """A template's costs stretched to `total` layers: the last captured layer stands
-        for all the layers that were not captured (they are identical)."""
-        if total <= len(self.layers):
+    def repeated(self, weights: Mapping[str, float]) -> LayerCosts:
+        """A template's costs stretched to the full model: each weighted layer (a stack's
+        last captured block, `Template.weights`) repeated in place for the blocks it stands
+        for, named as they are (`layers.1` standing for 3: `layers.1`, `layers.2`,
+        `layers.3`); they are identical."""
+        if all(weights.get(name, 1.0) <= 1.0 for name in self.layers):
             return self
-        prefix = self.layers[-1].rsplit(".", 1)[0]
-        extra = total - len(self.layers)
-        return replace(
-            self,
-            layers=(*self.layers, *(f"{prefix}.{len(self.layers) + i}" for i in range(extra))),
-            parts=(*self.parts, *(self.parts[-1],) * extra),
-        )
+        layers, parts = [], []
+        for name, part in zip(self.layers, self.parts, strict=True):
+            prefix, _, index = name.rpartition(".")
+            copies = round(weights.get(name, 1.0))
+            layers += [name, *(f"{prefix}.{int(index) + k}" for k in range(1, copies))]
+            parts += [part] * copies
+        return replace(self, layers=tuple(layers), parts=tuple(parts))
 
 
 def layer_costs(captured: Captured, result: IntraOpResult) -> LayerCosts:

@@ -96,7 +96,6 @@ def solve_rank_meshes(
     options: SearchOptions,
     pipeline: PipelineOptions,
     layers: dict[str, float] | None = None,
-    total_layers: int | None = None,
     known: dict[tuple[int, ...], IntraOpResult] | None = None,
 ) -> tuple[dict[tuple[int, ...], IntraOpResult], PricedSchedule, dict[str, float]]:
     """`inter_op.solve_pipeline` with every pipeline rank on its stage mesh's shape
@@ -129,9 +128,7 @@ def solve_rank_meshes(
         return {shape: known[shape, budget] for shape in shapes}
 
     def costs(results: dict) -> tuple[LayerCosts, ...]:
-        by_shape = {
-            s: layer_costs(captured, r).repeated(total_layers or 0) for s, r in results.items()
-        }
+        by_shape = {s: layer_costs(captured, r).repeated(layers or {}) for s, r in results.items()}
         return tuple(by_shape[shape] for shape in pipeline.rank_meshes)
 
     def memory(results: dict) -> float:

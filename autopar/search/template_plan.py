@@ -10,8 +10,10 @@ the same objective and memory (tests/test_layouts.py, tests/test_template_plan.p
 price of two blocks. Its answer is replicated onto the full capture:
 
 - `template_nodes`: full node -> template node. Block 0 maps onto the template's block 0,
-  every later block onto its block 1, node by node in graph order; the nodes outside the
-  blocks (embedding, head, loss, inputs) map in order. Ops and shapes must agree, else
+  every later block onto its block 1 (each stack's so; block 1 onto block 1 and later ones
+  onto block 2 where the template kept three, T5's first block being unlike the others),
+  node by node in graph order; the nodes outside the blocks (embedding, head, loss,
+  inputs) map in order. Ops and shapes must agree, else
   `None` (the model's forward depends on its depth otherwise than by iterating: the caller
   searches the full capture instead). So do `share_layers=False` and `placements=` pins
   (a pin may name a parameter of a block the template did not capture).
@@ -24,7 +26,7 @@ price of two blocks. Its answer is replicated onto the full capture:
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import replace
 
 import torch
@@ -53,12 +55,24 @@ from autopar.search.to_plan import assemble_plan
 
 
 def layer_names(full: Captured, tpl: Captured) -> dict[str, str] | None:
-    """Full layer -> the template layer it is planned as (None if the template has none)."""
+    """Full layer -> the template layer it is planned as (None if the template has none):
+    the k-th block of a stack is the template's k-th of that stack, or its last where the
+    template cut the stack (an encoder-decoder's two stacks each so)."""
     full_layers, tpl_layers = layer_order(full), layer_order(tpl)
     if not tpl_layers or len(tpl_layers) > len(full_layers):
         return None
-    last = len(tpl_layers) - 1
-    return {name: tpl_layers[min(i, last)] for i, name in enumerate(full_layers)}
+    twins: dict[str, list[str]] = defaultdict(list)
+    for name in tpl_layers:
+        twins[name.rpartition(".")[0]].append(name)
+    seen: Counter[str] = Counter()
+    out = {}
+    for name in full_layers:
+        stack = name.rpartition(".")[0]
+        if stack not in twins:
+            return None
+        out[name] = twins[stack][min(seen[stack], len(twins[stack]) - 1)]
+        seen[stack] += 1
+    return out
 
 
 def template_nodes(full: Captured, tpl: Captured) -> dict[fx.Node, fx.Node] | None:
@@ -151,7 +165,6 @@ def solve_on_template(
             options,
             pipeline,
             template.weights,
-            template.total_layers,
             known,
         )
     found = solve_pipeline(
@@ -161,7 +174,6 @@ def solve_on_template(
         options,
         pipeline,
         layers=template.weights,
-        total_layers=template.total_layers,
     )
     if pipeline.stage_cuts is None and pipeline.schedule is None and not pipeline.rank_meshes:
         template.solved[key] = found
