@@ -16,6 +16,7 @@ from torch import nn
 from autopar.capture import capture
 from autopar.capture.export import layer_of
 from autopar.capture.template import capture_template
+from autopar.cli.sources import load_model
 from autopar.cluster import Cluster
 from autopar.options import PlanOptions
 from autopar.planning import prepare
@@ -85,6 +86,14 @@ def _hf_gpt2(depth: int, rows: int = 2):
     return model, (ids, ids), None
 
 
+def _hf_family(config: str):
+    """A tiny Hugging Face encoder-decoder: two stacks, each expanded (T5's first blocks,
+    with the relative position bias, unlike the others)."""
+    pytest.importorskip("transformers")
+    model, batch = load_model("tests/models/hf_families.py:build", config, 2)
+    return model, batch, None
+
+
 def _sample(name: str, rows: int = 4):
     sample = get_sample(name)
     model = sample.build("tiny4", device="meta")
@@ -100,6 +109,8 @@ CASES = {
     "llama": lambda: _sample("llama"),
     "residual in the parent, loss_fn": _residual,
     "hugging face gpt2": lambda: _hf_gpt2(4),
+    "hugging face bart": lambda: _hf_family("bart:4"),
+    "hugging face t5": lambda: _hf_family("t5:4"),
 }
 
 
@@ -240,7 +251,7 @@ def test_a_check_started_before_the_template_confirms_its_graph(last_differs) ->
     model = _Residual(5) if last_differs is None else _Depth(5, last_differs)
     batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
     check = start_check(model, batch, _loss)
-    assert check is not None and (check.path, check.blocks) == ("layers", 5)
+    assert check is not None and check.stacks == (("layers", 5, 0),)
     tpl = capture_template(model, batch, _loss)
     tpl.adopt(check)
     built = tpl.whole_model(model, batch, _loss, confirm_later=True)

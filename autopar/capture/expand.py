@@ -43,26 +43,34 @@ from autopar.capture.export import Traced, base_name, layer_of
 _LIFTED = re.compile(r"lifted_tensor_(\d+)$")
 
 
-def expand_blocks(traced: Traced, path: str, total: int) -> Traced | None:
+def expand_blocks(traced: Traced, path: str, total: int, first: int = 0) -> Traced | None:
     """`traced` (blocks `path`.0 and `path`.1 of a stack of `total`) with blocks 2 ..
-    total - 1 added (module docstring); None where the template does not show how."""
+    total - 1 added (module docstring); None where the template does not show how.
+    `first`: the stack's blocks before the repeated ones (T5's first, the only one with
+    the relative position bias), traced as they are; blocks `first` and `first + 1` then
+    play blocks 0 and 1. An encoder-decoder's graph is expanded one stack at a time."""
     graph = traced.gm.graph
     spec_of = {s.arg.name: s for s in traced.input_specs}
-    block = {n: _block_index(n, spec_of, path) for n in graph.nodes}
+    block = {n: _block_index(n, spec_of, path, first) for n in graph.nodes}
     shape = _Blocks.read(graph, block)
-    if shape is None or total <= 2 or any(_updates_block(s, path) for s in traced.output_specs):
+    if (
+        shape is None
+        or total <= first + 2
+        or any(_updates_block(s, path) for s in traced.output_specs)
+    ):
         return None
-    return _Expansion(traced, spec_of, shape, path, total).run()
+    return _Expansion(traced, spec_of, shape, path, total, first).run()
 
 
-def _block_index(node: fx.Node, spec_of: dict, path: str) -> int | None:
+def _block_index(node: fx.Node, spec_of: dict, path: str, first: int) -> int | None:
+    """0 for a node of block `first`, 1 for one of the next, else None."""
     if node.op == "placeholder":
         target = getattr(spec_of.get(node.name), "target", None) or ""
-        return next((i for i in (0, 1) if target.startswith(f"{path}.{i}.")), None)
+        return next((i for i in (0, 1) if target.startswith(f"{path}.{first + i}.")), None)
     if node.op == "output":
         return None
     layer = layer_of(node)
-    return next((i for i in (0, 1) if layer == f"{path}.{i}"), None)
+    return next((i for i in (0, 1) if layer == f"{path}.{first + i}"), None)
 
 
 def _updates_block(spec, path: str) -> bool:
@@ -157,13 +165,17 @@ def _same_value(a, b) -> bool:
 
 
 class _Expansion:
-    def __init__(self, traced: Traced, spec_of: dict, blocks: _Blocks, path: str, total: int):
+    def __init__(
+        self, traced: Traced, spec_of: dict, blocks: _Blocks, path: str, total: int, first: int
+    ):
         self.traced, self.spec_of, self.blocks = traced, spec_of, blocks
-        self.path, self.total = path, total
+        self.path, self.total, self.first = path, total, first
         self.graph = fx.Graph()
         self.env: dict[fx.Node, fx.Node] = {}  # template node -> its node in the full graph
-        # copies[k - 2]: block-1 node -> block k's copy
-        self.copies: list[dict[fx.Node, fx.Node]] = [{} for _ in range(total - 2)]
+        # blocks added: first + 2 .. total - 1 (`first` 0: 2 ..); copies[k - first - 2]:
+        # block-1 node -> block k's copy ("block 1": block first + 1 of the stack)
+        self.added = total - first - 2
+        self.copies: list[dict[fx.Node, fx.Node]] = [{} for _ in range(self.added)]
         self.specs: dict[str, object] = {}  # full placeholder name -> its input spec
         self.constants = dict(traced.constants)
         self.after_stack = False  # past the last block: block 1's values are the last block's
@@ -192,7 +204,7 @@ class _Expansion:
             number = _lifted_number(spec)
             if self.lifted and number is not None and number > self.lifted[1]:
                 # a constant lifted after the stack: numbered after every block's
-                shift = (self.total - 2) * self.lifted[0]
+                shift = self.added * self.lifted[0]
                 new = self._input(n, spec.target, _lifted_renumbered(spec.target, shift))
                 if new is None:
                     return False
@@ -209,9 +221,10 @@ class _Expansion:
         """Blocks 2 .. total - 1's copies of the run of block-1 nodes ending at `end`."""
         run = [n for n in self.blocks.twin.values() if (n.op == "placeholder") == inputs]
         run = run[: run.index(end) + 1]
-        for k in range(2, self.total):
-            previous = self.copies[k - 3] if k > 2 else self.env
-            mine = self.copies[k - 2]
+        second = self.first + 1  # the stack's index of the template's block 1
+        for k in range(second + 1, self.total):
+            previous = self.copies[k - second - 2] if k > second + 1 else self.env
+            mine = self.copies[k - second - 1]
 
             for n in run:
                 if n in mine:
@@ -222,7 +235,7 @@ class _Expansion:
                         return False
                 else:
                     new = self._copy(n, lambda a, m=mine, p=previous: self._read(a, m, p))
-                new.meta = _renumbered_meta(n.meta, f"{self.path}.1", f"{self.path}.{k}")
+                new.meta = _renumbered_meta(n.meta, f"{self.path}.{second}", f"{self.path}.{k}")
                 mine[n] = new
         return True
 
@@ -244,9 +257,10 @@ class _Expansion:
     def _block_target(self, n: fx.Node, k: int) -> str:
         """Block k's FQN for block 1's input `n` (a lifted constant numbered on)."""
         spec = self.spec_of[n.name]
-        old, new = f"{self.path}.1.", f"{self.path}.{k}."
+        old, new = f"{self.path}.{self.first + 1}.", f"{self.path}.{k}."
         target = new + spec.target[len(old) :]
-        return _lifted_renumbered(target, (k - 1) * self.lifted[0] if self.lifted else 0)
+        steps = k - self.first - 1
+        return _lifted_renumbered(target, steps * self.lifted[0] if self.lifted else 0)
 
     def _input(self, n: fx.Node, old: str, target: str) -> fx.Node | None:
         """The placeholder of FQN `target` standing where template input `n` (of FQN `old`)

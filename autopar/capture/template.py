@@ -18,10 +18,8 @@ iteration (`autopar.capture.expand`) and three blocks built are blocks 0, 1 and 
 traced (one more trace of three blocks: a forward reading `len(self.layers)`, a last block
 unlike the others are traced instead; `autopar.plan` runs that trace in a forked process
 beside the final plan's own work, and plans on the trace where it disagrees), else the
-caller traces the whole model (so it does for a template of several stacks, or of a
-stack whose first block differs: its plan is still solved on the template,
-`autopar.search.template_plan`). A plan made
-on a built graph says so (`plan.solver["graph"] == BUILT`); `compile` traces, and names the
+caller traces the whole model. An encoder-decoder's graph is built one stack at a time,
+its check traces three blocks of each. A plan made on a built graph says so (`plan.solver["graph"] == BUILT`); `compile` traces, and names the
 cause where the fingerprints then differ (`DEPTH_HINT`).
 """
 
@@ -67,11 +65,11 @@ class Template:
     # what the search solved on this template, by problem (`autopar.search.template_plan`):
     # the layout search's winner is not solved again for the final plan
     solved: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
-    # the template's traced graph before `finish` and its stack's path in the model: what
-    # `whole_model` repeats; whether three blocks built are three blocks traced (None: not
-    # checked yet)
+    # the template's traced graph before `finish` and each cut stack's (path in the model,
+    # blocks, blocks before the repeated ones): what `whole_model` repeats; whether three
+    # blocks built are three blocks traced (None: not checked yet)
     traced: Traced | None = field(default=None, repr=False, compare=False)
-    stack_path: str = ""
+    stacks: tuple[tuple[str, int, int], ...] = ()
     repeats: bool | None = field(default=None, repr=False, compare=False)
     _check: _Check | None = field(default=None, repr=False, compare=False)
 
@@ -95,9 +93,9 @@ class Template:
             self._check.traced.cancel()  # started for another model or shapes (`adopt`)
             self._check = None
         if later and self._check is None:
-            fn = _three_traced(model, self.stack_path, self.total_layers, args, loss_fn)
+            fn = _three_traced(model, self.stacks, args, loss_fn)
             self._check = _Check(model, loss_fn, Forked.start(fn), _shapes(args))
-        built = self._built(model, loss_fn, self.total_layers)
+        built = self._built(model, loss_fn)
         if built is None or not _traces(built, model, args):
             if self._check is not None:
                 self._check.traced.cancel()
@@ -112,10 +110,10 @@ class Template:
 
     def adopt(self, check: _Check | None) -> None:
         """`check` (`start_check`'s, started before this template was captured) as this
-        template's three-block check, where it checks this template's stack."""
+        template's three-block check, where it checks this template's stacks."""
         if check is None:
             return
-        if (check.path, check.blocks) != (self.stack_path, self.total_layers) or self._check:
+        if check.stacks != self.stacks or self._check:
             check.traced.cancel()
             return
         self._check = check
@@ -128,9 +126,16 @@ class Template:
             self.repeats = self._same(check.model, check.loss_fn, check.traced.result())
         return self.repeats is True
 
-    def _built(self, model: nn.Module, loss_fn: Callable | None, blocks: int) -> Captured | None:
-        traced_path = f"model.{self.stack_path}" if loss_fn is not None else self.stack_path
-        expanded = expand_blocks(self.traced, traced_path, blocks)
+    def _built(
+        self, model: nn.Module, loss_fn: Callable | None, three: bool = False
+    ) -> Captured | None:
+        """The template expanded to the whole model, stack by stack (`three`: to each
+        stack's blocks before the repeated ones and three repeated ones)."""
+        expanded = self.traced
+        for path, blocks, first in self.stacks:
+            traced_path = f"model.{path}" if loss_fn is not None else path
+            total = first + 3 if three else blocks
+            expanded = expanded and expand_blocks(expanded, traced_path, total, first)
         if expanded is None:
             return None
         root = _WithLoss(model, loss_fn) if loss_fn is not None else model
@@ -138,17 +143,17 @@ class Template:
 
     def _repeats(self, model: nn.Module, args: Sequence, loss_fn: Callable | None) -> bool:
         """Whether the template, expanded to three blocks, is the model traced with blocks
-        0, 1 and its last: the check that the blocks repeat as block 1 does where the
+        0, 1 and its last (each stack's; after the blocks before the repeated ones): the check that the blocks repeat as block 1 does where the
         template cannot tell (a forward that reads its depth, `aux / len(self.layers)`; a
         last block unlike the others). One trace of three blocks, once per template."""
         if self.repeats is None:
-            fn = _three_traced(model, self.stack_path, self.total_layers, args, loss_fn)
+            fn = _three_traced(model, self.stacks, args, loss_fn)
             self.repeats = self._same(model, loss_fn, fn())
         return self.repeats
 
     def _same(self, model: nn.Module, loss_fn: Callable | None, traced) -> bool:
         """Three blocks built are the three traced (`_three_traced`'s answer)."""
-        built = self._built(model, loss_fn, 3)
+        built = self._built(model, loss_fn, three=True)
         return (
             built is not None
             and traced is not None
@@ -164,8 +169,7 @@ class _Check:
     loss_fn: Callable | None
     traced: Forked
     shapes: tuple  # of the args it traces (`_shapes`)
-    path: str = ""  # the stack it cuts and its blocks (`start_check`'s)
-    blocks: int | None = None
+    stacks: tuple[tuple[str, int, int], ...] = ()  # what it cuts (`start_check`'s)
 
     def serves(self, model: nn.Module, loss_fn: Callable | None, args: Sequence) -> bool:
         return self.model is model and self.loss_fn is loss_fn and self.shapes == _shapes(args)
@@ -178,21 +182,24 @@ def start_check(model: nn.Module, args: Sequence, loss_fn: Callable | None) -> _
     on two cores: `capture.rows`); the check runs meanwhile, and a final plan built from
     that template (`Template.adopt`) finds its answer waiting."""
     stacks = _cut(model, TEMPLATE_BLOCKS)
-    if len(stacks) != 1 or stacks[0].first or not can_fork():
-        return None  # nothing cut, or a template `whole_model` does not expand
-    path, blocks = stacks[0].path, len(stacks[0].blocks)
-    fn = _three_traced(model, path, blocks, args, loss_fn)
-    return _Check(model, loss_fn, Forked.start(fn), _shapes(args), path, blocks)
+    if not stacks or not can_fork():
+        return None
+    cut = tuple((s.path, len(s.blocks), s.first) for s in stacks)
+    fn = _three_traced(model, cut, args, loss_fn)
+    return _Check(model, loss_fn, Forked.start(fn), _shapes(args), cut)
 
 
-def _three_traced(model: nn.Module, path: str, blocks: int, args, loss_fn: Callable | None):
-    """What `Template._same` compares of the model traced with blocks 0, 1 and its last (of
-    `blocks` at `path`): a function giving its (fingerprint, node names), None where it
-    does not trace so."""
+def _three_traced(model: nn.Module, stacks, args, loss_fn: Callable | None):
+    """What `Template._same` compares of the model traced with blocks 0, 1 and its last of
+    each stack (`stacks`: (path, blocks, blocks before the repeated ones, also traced)): a
+    function giving its (fingerprint, node names), None where it does not trace so."""
 
     def traced() -> tuple[str, list[str]] | None:
         try:
-            with truncated_blocks(model, path, (0, 1, blocks - 1)):
+            with ExitStack() as cut:
+                for path, blocks, first in stacks:
+                    kept = (*range(first + 2), blocks - 1)
+                    cut.enter_context(truncated_blocks(model, path, kept))
                 found = capture(model, args, loss_fn)
         except CaptureError:  # not traceable so: the whole model is traced (and says why)
             return None
@@ -298,10 +305,11 @@ def capture_template(
         return Template(capture(model, args, loss_fn, tracer))
     layers = len(layer_order(captured))
     total = layers + round(sum(w - 1 for w in weights.values()))
-    if len(stacks) > 1 or stacks[0].first or keep != 2 or layers != keep:
-        # `expand_blocks` repeats block 1 of two, of one stack
+    if keep != 2 or layers != sum(s.kept(keep) for s in stacks):
+        # `expand_blocks` repeats block 1 of two, of stacks that are all the blocks
         return Template(captured, total, weights)
-    return Template(captured, total, weights, traced=kept, stack_path=stacks[0].path)
+    cut = tuple((s.path, len(s.blocks), s.first) for s in stacks)
+    return Template(captured, total, weights, traced=kept, stacks=cut)
 
 
 def _cut(model: nn.Module, keep: int) -> list[BlockStack]:
