@@ -335,9 +335,11 @@ def test_stages_are_priced_with_the_communication_pass() -> None:
     waited = price_schedule(replace(costs, comm=None), "1f1b", 2, 4, job.cluster)
     assert best.step_time == price_schedule(costs, "1f1b", 2, 4, job.cluster).step_time
     assert best.step_time < waited.step_time
-    # a stage sends its rank's shard of the residual stream: a microbatch's 2 rows over dp
+    # a stage sends its rank's shard of the residual stream and of the targets the loss
+    # reads (int64): a microbatch's 2 rows over dp
     cfg = model.config
-    assert costs.crossing.placed_bytes == 2 // 2 * cfg.block_size * cfg.n_embd * 4
+    residual, targets = cfg.block_size * cfg.n_embd * 4, cfg.block_size * 8
+    assert all(c.placed_bytes == 2 // 2 * (residual + targets) for c in costs.crossings[1:])
     # the fsdp layers' gradient reduce-scatters run in every microbatch's backward
     scatters = [g for g in costs.parts[0].grads if not reduced_per_step(g)]
     assert scatters and all(g in costs.parts[0].program[0].grads for g in scatters)
@@ -371,6 +373,15 @@ def test_step_text_says_what_a_pipelined_step_is_made_of() -> None:
     assert f"gradient sync beyond the timeline {sync * 1e3:.3f} ms" in text
 
 
+def every_cut(costs, crossing):
+    """`costs` whose every stage cut carries `crossing`."""
+    from dataclasses import replace
+
+    from autopar.search.crossing import Crossing
+
+    return replace(costs, crossings=(Crossing(), *(crossing,) * (len(costs.layers) - 1)))
+
+
 def _synthetic(grads=(), layer_forward: float | None = None, pre: float = 0.0):
     """Four identical layers (forward f, backward 2f, one weight gather of 1 MiB taking g
     seconds, and `grads`) after a compute-only embedding of `pre` x g seconds, on pp=2 x
@@ -401,7 +412,7 @@ def _synthetic(grads=(), layer_forward: float | None = None, pre: float = 0.0):
         time=pre_compute, program=(Part(forward=pre_compute / 3, backward=2 * pre_compute / 3),)
     )
     names = tuple(f"layers.{i}" for i in range(4))
-    costs = LayerCosts(names, (layer,) * 4, pre, PartCost(), Crossing(), DEFAULT_COMM)
+    costs = LayerCosts(names, (layer,) * 4, pre, PartCost(), (Crossing(),) * 4, DEFAULT_COMM)
     return costs, cluster, g
 
 
@@ -609,20 +620,39 @@ def test_a_scattered_boundary_is_run_where_it_is_faster() -> None:
     link = cluster.links[0]
     big = 64 * link.bandwidth * 1e-3  # 64 ms of messages placed, 4 ms scattered
     assert send_recv_time(big, link) > 50e-3
-    placed = price_schedule(replace(costs, crossing=Crossing(big, big)), "1f1b", 2, 4, cluster)
+    placed = price_schedule(every_cut(costs, Crossing(big, big)), "1f1b", 2, 4, cluster)
     assert placed.boundary == "placed"
     cheap = Crossing(big, big / 16, receive=(1e-4, 1e-4), send=(0.0, 1e-4))
-    fast = price_schedule(replace(costs, crossing=cheap), "1f1b", 2, 4, cluster)
+    fast = price_schedule(every_cut(costs, cheap), "1f1b", 2, 4, cluster)
     assert fast.boundary == "scattered" and fast.step_time < placed.step_time
     assert fast.stage_times[0] == pytest.approx(placed.stage_times[0] + 1e-4)  # sends
     assert fast.stage_times[1] == pytest.approx(placed.stage_times[1] + 2e-4)  # receives
     # redistributions dearer than the messages they shorten: placed
     dear = Crossing(big, big / 16, receive=(1.0, 1.0))
-    slow = price_schedule(replace(costs, crossing=dear), "1f1b", 2, 4, cluster)
+    slow = price_schedule(every_cut(costs, dear), "1f1b", 2, 4, cluster)
     assert slow.boundary == "placed" and slow.step_time == placed.step_time
     # no rank-to-rank boundary (two stages on a pipeline of one rank): placed, unsimulated
     one = replace(cluster, mesh_shape=(1, 2))
-    assert price_schedule(replace(costs, crossing=cheap), "1f1b", 1, 4, one).boundary == "placed"
+    assert price_schedule(every_cut(costs, cheap), "1f1b", 1, 4, one).boundary == "placed"
+
+
+def test_each_cut_is_priced_with_what_it_carries() -> None:
+    """The schedule's messages between ranks are each cut's own: a cut where 64 ms of
+    messages cross is dearer than one where nothing does (the same stages otherwise)."""
+    from dataclasses import replace
+
+    from autopar.search.crossing import Crossing
+    from autopar.search.inter_op import price_schedule
+
+    costs, cluster, _ = _synthetic([], layer_forward=1e-3)
+    big = 64 * cluster.links[0].bandwidth * 1e-3
+    none, heavy = Crossing(), Crossing(big, big)
+    at_cut = replace(costs, crossings=(none, none, heavy, none))
+    elsewhere = replace(costs, crossings=(none, heavy, none, none))
+    light = price_schedule(elsewhere, "1f1b", 2, 4, cluster, cuts=(0, 2))
+    dear = price_schedule(at_cut, "1f1b", 2, 4, cluster, cuts=(0, 2))
+    assert light.step_time == price_schedule(costs, "1f1b", 2, 4, cluster, cuts=(0, 2)).step_time
+    assert dear.step_time > light.step_time + 2 * 50e-3  # forward and backward, at least
 
 
 def test_the_residual_stream_crossing_is_priced_both_ways() -> None:
@@ -632,17 +662,40 @@ def test_the_residual_stream_crossing_is_priced_both_ways() -> None:
     from autopar.search.layer_costs import layer_costs
 
     model, _, captured, (result, _, _) = _solved_gpt_pipeline("tp", "tp")
-    crossing = layer_costs(captured, result).crossing
+    crossing = layer_costs(captured, result).crossings[1]
     cfg = model.config
-    assert crossing.placed_bytes == 2 * cfg.block_size * cfg.n_embd * 4  # 2 rows, whole
+    residual, targets = cfg.block_size * cfg.n_embd * 4, cfg.block_size * 8
+    assert crossing.placed_bytes == 2 * (residual + targets)  # 2 rows, whole
     assert crossing.scattered_bytes == crossing.placed_bytes / 2 and crossing.can_scatter
     assert crossing.receive[0] > 0  # the gather back, in the receiving stage's forward
 
 
-def _solved_gpt_pipeline(axis: str, strategy: str):
-    """(model, job, captured, `solve_pipeline`'s answer) of the tiny GPT under 1F1B with 4
-    microbatches on pp 2 x `axis` 2 of the cpu preset, `strategy` in the stages (a fake
-    process group of 4)."""
+def test_a_cut_is_priced_carrying_what_the_stage_split_sends() -> None:
+    """Each stage cut of an encoder-decoder (Hugging Face BART) is priced with what
+    `passes.stages` sends across it: inside the decoder the encoder's output too (every
+    decoder block's cross-attention reads it), twice a decoder's residual stream; the
+    targets (and BART's encoder padding mask) cross every cut. Data parallel stages: each
+    rank sends its half of every value."""
+    from autopar.cli.sources import load_model
+    from autopar.passes.stages import split_stages
+    from autopar.search.layer_costs import layer_costs
+
+    model, batch = load_model(HF_FAMILIES, "bart:2", 8)
+    _, _, captured, (result, _, _) = _solved_gpt_pipeline("dp", "dp", model, batch)
+    costs = layer_costs(captured, result)
+    values = {n.name: n.meta.get("val") for n in captured.gm.graph.nodes}
+    for cut in range(1, len(costs.layers)):
+        sent = split_stages(captured, [0, cut])[1].inputs  # (captured at a microbatch)
+        whole = sum(values[v].numel() * values[v].element_size() for v in sent)
+        assert costs.crossings[cut].placed_bytes == whole / 2, costs.layers[cut]
+    encoder = costs.crossings[1].placed_bytes  # its stream, the targets and padding mask
+    assert costs.crossings[3].placed_bytes > 1.8 * encoder  # two streams and the targets
+
+
+def _solved_gpt_pipeline(axis: str, strategy: str, model=None, batch=None):
+    """(model, job, captured, `solve_pipeline`'s answer) of the tiny GPT (or `model` on
+    `batch`) under 1F1B with 4 microbatches on pp 2 x `axis` 2 of the cpu preset,
+    `strategy` in the stages (a fake process group of 4)."""
     import torch.distributed as dist
 
     from autopar._compat import FakeStore
@@ -653,9 +706,10 @@ def _solved_gpt_pipeline(axis: str, strategy: str):
     from autopar.search.pins import SearchOptions
     from samples import get_sample
 
-    sample = get_sample("gpt")
-    model = sample.build("tiny4", device="meta")
-    batch = sample.example_batch(model, 8, device="meta")
+    if model is None:
+        sample = get_sample("gpt")
+        model = sample.build("tiny4", device="meta")
+        batch = sample.example_batch(model, 8, device="meta")
     cluster = Cluster.preset("cpu", mesh=(2, 2), axis_names=("pp", axis))
     options = PlanOptions(strategy=strategy, schedule="1f1b", microbatches=4)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)

@@ -36,11 +36,11 @@ def test_each_rank_is_priced_on_its_own_stage_mesh() -> None:
     """Rank 1 twice as slow per layer: the cuts give rank 0 three of the four layers, each
     stage's time is its layers' on its rank's costs, plus the canonical crossing's
     redistributions (sending, receiving); the same costs on both ranks price as one."""
-    from tests.test_pipeline import _synthetic
+    from tests.test_pipeline import _synthetic, every_cut
 
     fast, cluster, _ = _synthetic([], layer_forward=1e-3)
     hop = ((1e-4, 1e-4), (0.0, 1e-4))  # (receive, send), (forward, backward) each
-    fast = replace(fast, crossing=Crossing(canonical_bytes=1e3, canonical=hop))
+    fast = every_cut(fast, Crossing(canonical_bytes=1e3, canonical=hop))
     slow = _slower(fast, 2.0)
     priced = price_schedule((fast, slow), "1f1b", 2, 4, cluster)
     assert priced.boundary == "canonical" and priced.cuts == (0, 3)

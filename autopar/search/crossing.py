@@ -1,7 +1,8 @@
 """What an activation crossing a pipeline stage boundary costs, placed or scattered.
 
-`crossing(captured, result) -> Crossing` prices the residual stream entering the second
-layer (what every stage cut carries) as the pipeline runtime moves it
+`crossings(captured, result) -> (Crossing per layer)` prices what a stage cut before each
+layer carries (`passes.stages` sends it: the residual stream, the targets forwarded to the
+loss, an encoder's output inside the decoder), each value as the pipeline runtime moves it
 (`runtime.pipeline.boundary_spec`), both ways `PipelinePlan.boundary` names:
 
 - "placed": the producer's output placement, a Partial reduced; each rank sends its local
@@ -18,7 +19,7 @@ layer (what every stage cut carries) as the pipeline runtime moves it
 
 `Crossing` holds the bytes each way sends and the seconds the scattered (and the canonical)
 way adds (or saves) per microbatch to a receiving and a sending stage's forward and
-backward, against the placed way's: the redistributions priced by the ILP's own
+backward, against the placed way's, summed over the values crossing one cut: the redistributions priced by the ILP's own
 `CostContext` on the stage mesh. Where scattering sends less and stages sit on different
 ranks, `inter_op.price_schedule` simulates the schedule both ways and keeps the faster (the
 messages it shortens may lie off the critical path, the redistributions on it).
@@ -33,7 +34,7 @@ import torch
 import torch.fx as fx
 
 from autopar.capture import Captured
-from autopar.capture.analysis import layer_order
+from autopar.capture.analysis import batch_dependent, layer_order
 from autopar.capture.export import layer_of
 from autopar.cost_models.memory import local_numel
 from autopar.cost_models.reshard import reshard_seconds
@@ -51,6 +52,22 @@ class Crossing:
     send: tuple[float, float] = (0.0, 0.0)
     canonical_bytes: float = 0.0  # what one rank sends canonical
     canonical: tuple[tuple[float, float], tuple[float, float]] = ((0.0, 0.0), (0.0, 0.0))
+
+    def __add__(self, other: Crossing) -> Crossing:
+        """Two values crossing one cut: what each sends and adds, summed."""
+
+        def plus(a: tuple, b: tuple) -> tuple:
+            pairs = zip(a, b, strict=True)
+            return tuple(plus(x, y) if isinstance(x, tuple) else x + y for x, y in pairs)
+
+        return Crossing(
+            self.placed_bytes + other.placed_bytes,
+            self.scattered_bytes + other.scattered_bytes,
+            plus(self.receive, other.receive),
+            plus(self.send, other.send),
+            self.canonical_bytes + other.canonical_bytes,
+            plus(self.canonical, other.canonical),
+        )
 
     def sent(self, boundary: str) -> float:
         """What one rank sends per microbatch the `boundary` way."""
@@ -76,21 +93,37 @@ class Crossing:
         return finite and self.scattered_bytes < self.placed_bytes
 
 
-def crossing(captured: Captured, result) -> Crossing:
-    """The residual stream's crossing (layer 0's output read by layer 1) under `result`
-    (an `IntraOpResult` on the stage mesh); nothing where fewer than two layers."""
+def crossings(captured: Captured, result) -> tuple[Crossing, ...]:
+    """Per layer, what a stage cut before it carries under `result` (an `IntraOpResult` on
+    the stage mesh; index 0: no cut): as the stage split sends (`passes.stages`), every
+    value computed from the batch (and the batch itself) that a node at or after the cut
+    reads and a node before it made, a node outside the layers on the stage of the layer
+    before it. A decoder's cut carries the residual stream (and the targets, forwarded to
+    the loss); an encoder-decoder's, inside the decoder, the encoder's output too."""
     layers = layer_order(captured)
-    if len(layers) < 2:
-        return Crossing()
+    index = {name: i for i, name in enumerate(layers)}
+    batch = batch_dependent(captured)
+    where: dict[fx.Node, int] = {}  # the layer (stage position) each batch value is made at
+    at, spans = 0, []
     for n in captured.gm.graph.nodes:
-        if layer_of(n) == layers[1]:
-            for a in n.all_input_nodes:
-                if layer_of(a) == layers[0] and isinstance(a.meta.get("val"), torch.Tensor):
-                    return _priced(a, layers[1], result)
-    return Crossing()
+        layer = layer_of(n) if n.op != "placeholder" else None  # the batch enters stage 0
+        at = index[layer] if layer is not None else at
+        if n not in batch or n not in result.chosen:
+            continue
+        where[n] = at
+        if n.op == "placeholder" or isinstance(n.meta.get("val"), torch.Tensor):
+            spans.append(n)
+    out = [Crossing() for _ in layers]
+    for n in spans:
+        last = max((where[u] for u in n.users if u in where), default=where[n])
+        for cut in range(where[n] + 1, last + 1):
+            readers = {u for u in n.users if where.get(u) == cut}
+            out[cut] = out[cut] + _priced(n, readers, result)
+    return tuple(out)
 
 
-def _priced(value: fx.Node, reader: str, result) -> Crossing:
+def _priced(value: fx.Node, readers: set[fx.Node], result) -> Crossing:
+    """`value` crossing a cut, its `readers` on the receiving stage."""
     v = value.meta["val"]
     shape, size = tuple(v.shape), v.element_size()
     if value not in result.chosen:
@@ -105,18 +138,18 @@ def _priced(value: fx.Node, reader: str, result) -> Crossing:
     def sent(spec) -> float:
         return float(local_numel(shape, spec, ctx.mesh_shape) * size)
 
-    receive, send = _adds(value, reader, result, out, placed, scattered)
+    receive, send = _adds(value, readers, result, out, placed, scattered)
     return Crossing(
         sent(placed),
         sent(scattered),
         receive,
         send,
         sent(canonical),
-        _adds(value, reader, result, out, placed, canonical),
+        _adds(value, readers, result, out, placed, canonical),
     )
 
 
-def _adds(value: fx.Node, reader: str, result, out, placed, crossing) -> tuple:
+def _adds(value: fx.Node, readers: set[fx.Node], result, out, placed, crossing) -> tuple:
     """((receive fwd, bwd), (send fwd, bwd)): seconds `value` crossing as `crossing`
     rather than `placed` adds to the stages on either side, per microbatch."""
     if crossing == placed:
@@ -131,7 +164,7 @@ def _adds(value: fx.Node, reader: str, result, out, placed, crossing) -> tuple:
     send_bwd = reshard_seconds(cluster, crossing, placed, shape, size)  # the gradient back
     recv_fwd = recv_bwd = 0.0
     for user in value.users:
-        if layer_of(user) != reader or user not in result.chosen:
+        if user not in readers or user not in result.chosen:
             continue
         s = result.chosen[user]
         for pos, op in ctx.operands(user):

@@ -169,7 +169,7 @@ def price_schedule(
         return _simulated(*run, boundary="canonical")
     between = sum(ranks[s] != ranks[s + 1] for s in range(num - 1))  # from rank to rank
     placed = _simulated(*run, boundary="placed")
-    if not (costs[0].crossing.can_scatter and between):
+    if not (any(costs[0].crossings[b].can_scatter for b in cuts[1:]) and between):
         return placed
     return min(placed, _simulated(*run, boundary="scattered"), key=lambda p: p.step_time)
 
@@ -183,14 +183,17 @@ def _simulated(
     canonical, redistributions on every stage boundary, receiving and sending)."""
     num = len(stages)
     link = cluster.links[cluster.axis_names.index("pp")]
-    p2p = send_recv_time(costs[0].crossing.sent(boundary), link)
+    # what each cut carries (the sending stage's placements; canonical: the same bytes)
+    carried = [costs[s].crossings[cuts[s + 1]] for s in range(num - 1)]
+    p2p = [send_recv_time(c.sent(boundary), link) for c in carried]
     times = list(times)
     fwd, bwd = [t / 3 for t in times], [2 * t / 3 for t in times]
     for s in range(num):  # a stage receives (all but the first) and sends (all but the last)
-        receive, send = costs[s].crossing.adds(boundary)
-        for adds, on in ((receive, s > 0), (send, s < num - 1)):
-            fwd[s], bwd[s] = fwd[s] + adds[0] * on, bwd[s] + adds[1] * on
-            times[s] += sum(adds) * on
+        receive = costs[s].crossings[cuts[s]].adds(boundary)[0] if s else (0.0, 0.0)
+        send = carried[s].adds(boundary)[1] if s < num - 1 else (0.0, 0.0)
+        for adds in (receive, send):
+            fwd[s], bwd[s] = fwd[s] + adds[0], bwd[s] + adds[1]
+            times[s] += sum(adds)
     grads = [[g for g in p.grads if reduced_per_step(g)] for p in stages]
     ready = None
     if costs[0].zero:  # reduce-scatters; the parameters' all-gathers before each stage's forward

@@ -27,7 +27,7 @@ from autopar.cost_models.comm import Collective
 from autopar.cost_models.memory import local_numel
 from autopar.cost_models.reshard import reshard_seconds
 from autopar.plan import CommPlan
-from autopar.search.crossing import Crossing, crossing
+from autopar.search.crossing import Crossing, crossings
 from autopar.search.intra_op import IntraOpResult
 from autopar.search.schedules import weight_gradient_work
 from autopar.search.stage_cuts import range_prices
@@ -81,7 +81,8 @@ class LayerCosts:
     parts: tuple[PartCost, ...]  # per layer
     pre: PartCost  # outside the layers, before the first (embedding)
     post: PartCost  # after the last layer (final norm, head, loss)
-    crossing: Crossing  # what an activation crossing a stage boundary costs (placed, scattered)
+    # per layer, what a stage cut before it carries (placed, scattered; index 0: no cut)
+    crossings: tuple[Crossing, ...]
     comm: CommPlan | None = None  # the stage programs' communication pass (None: none)
     # ZeRO: bytes the all-gathers after the optimizer step move (the working parameters,
     # `runtime.optimizer.ParamState`) per gradient byte reduced; 0: no ZeRO
@@ -107,13 +108,14 @@ class LayerCosts:
         `layers.3`); they are identical."""
         if all(weights.get(name, 1.0) <= 1.0 for name in self.layers):
             return self
-        layers, parts = [], []
-        for name, part in zip(self.layers, self.parts, strict=True):
+        layers, parts, cuts = [], [], []
+        for name, part, cut in zip(self.layers, self.parts, self.crossings, strict=True):
             prefix, _, index = name.rpartition(".")
             copies = round(weights.get(name, 1.0))
             layers += [name, *(f"{prefix}.{int(index) + k}" for k in range(1, copies))]
             parts += [part] * copies
-        return replace(self, layers=tuple(layers), parts=tuple(parts))
+            cuts += [cut] * copies  # a cut before block k > 1 carries what one before 1 does
+        return replace(self, layers=tuple(layers), parts=tuple(parts), crossings=tuple(cuts))
 
 
 def layer_costs(captured: Captured, result: IntraOpResult) -> LayerCosts:
@@ -149,7 +151,7 @@ def layer_costs(captured: Captured, result: IntraOpResult) -> LayerCosts:
             pre += cost
     zero, cast = zero_gather_ratio(captured, result), result.ctx.reduce_itemsize
     cast_back = bool(cast) and cast != param_itemsize(captured)
-    cross = crossing(captured, result)
+    cross = crossings(captured, result)
     return LayerCosts(
         tuple(layers),
         tuple(parts),

@@ -33,7 +33,7 @@ long as its forward) and holds its activation input and its output's gradient un
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -166,12 +166,13 @@ def simulate(
     bwd: list[float],
     microbatches: int | tuple[int, ...],
     pp: int,
-    p2p: float = 0.0,
+    p2p: float | Sequence[float] = 0.0,
     wgrad: list[float] | None = None,
     stash: list[float] | None = None,
     ready: list[float] | None = None,
 ) -> Timeline:
-    """List-schedule the actions; `fwd`/`bwd`: per stage, seconds per microbatch; `ready`:
+    """List-schedule the actions; `p2p`: seconds of a crossing between ranks, or per stage
+    cut (stage s to s + 1); `fwd`/`bwd`: per stage, seconds per microbatch; `ready`:
     per stage, when its parameters are there (ZeRO's gather; default 0); `wgrad`:
     the part of `bwd` a zero-bubble schedule runs at W (default none); `stash`: the
     fraction of a microbatch's activations held from I to W (default 1). `microbatches`
@@ -230,7 +231,7 @@ def replay(
     fwd: list[float],
     bwd: list[float],
     owner: list[int],
-    p2p: float = 0.0,
+    p2p: float | Sequence[float] = 0.0,
     schedule: str = "",
     wgrad: list[float] | None = None,
     stash: list[float] | None = None,
@@ -254,8 +255,9 @@ def replay(
     forward = [[None] * count for _ in range(num)]
     gradient = [[None] * count for _ in range(num)]
     # p2p added to a dependency on the stage before / after (another rank's)
-    hop_before = [p2p if s and owner[s - 1] != owner[s] else 0.0 for s in range(num)]
-    hop_after = [p2p if s < num - 1 and owner[s + 1] != owner[s] else 0.0 for s in range(num)]
+    hops = [p2p] * (num - 1) if isinstance(p2p, (int, float)) else list(p2p)  # per cut
+    hop_before = [hops[s - 1] if s and owner[s - 1] != owner[s] else 0.0 for s in range(num)]
+    hop_after = [hops[s] if s < num - 1 and owner[s + 1] != owner[s] else 0.0 for s in range(num)]
     starts = list(ready) if ready else [0.0] * num
     clock, busy = [0.0] * pp, [0.0] * pp
     held, peak = [0.0] * pp, [0.0] * pp
