@@ -115,6 +115,26 @@ class _EveryOther(nn.Module):
         return x.sum()
 
 
+class _Interleaved(nn.Module):
+    """Two stacks whose blocks alternate (attention i, then MLP i): a template of each
+    stack's first two blocks would repeat one stack's after the other's."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.mlp = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        for attn, mlp in zip(self.attn, self.mlp, strict=True):
+            x = mlp(torch.relu(attn(x)))
+        return x.sum()
+
+
+def test_stacks_whose_blocks_alternate_are_traced_whole() -> None:
+    model, x = _Interleaved(), torch.randn(8, 8)
+    assert capture_template(model, (x,), keep=2).total_layers is None
+
+
 def test_a_model_no_template_cuts_is_made_at_each_size_whole() -> None:
     """The template falls back to the whole model, which the tracer then serves at any rows
     as it serves a template: two traces paired at the first size, every other size made

@@ -41,6 +41,7 @@ from autopar.capture.export import (
     _WithLoss,
     capture,
     finish,
+    layer_of,
     trace,
 )
 from autopar.forked import Forked, can_fork
@@ -299,7 +300,7 @@ def capture_template(
         kept = traced.copy()
         captured = finish(traced, root, loss_fn is not None)
     prefix = "model." if loss_fn is not None else ""
-    weights = _stack_weights(layer_order(captured), stacks, keep, prefix)
+    weights = _stack_weights(captured, stacks, keep, prefix)
     if weights is None:  # a stack is not what forward iterates over: no shortcut, the
         # whole model at any rows
         return Template(capture(model, args, loss_fn, tracer))
@@ -318,16 +319,23 @@ def _cut(model: nn.Module, keep: int) -> list[BlockStack]:
 
 
 def _stack_weights(
-    layers: list[str], stacks: list[BlockStack], keep: int, prefix: str
+    captured: Captured, stacks: list[BlockStack], keep: int, prefix: str
 ) -> dict[str, float] | None:
     """Each cut stack's last traced block -> the blocks it stands for; None where the
-    traced blocks (`layers`, in graph order) are not each stack's kept ones in order."""
+    traced blocks (in graph order) are not each stack's kept ones in order, computed in
+    one run each (stacks run one after the other, an encoder's then a decoder's)."""
+    layers = layer_order(captured)
+    computed = [n for n in captured.gm.graph.nodes if n.op == "call_function"]
+    computed = list(dict.fromkeys(filter(None, map(layer_of, computed))))
     weights = {}
     for stack in stacks:
         path = prefix + stack.path
         traced = [name for name in layers if name.rpartition(".")[0] == path]
         if traced != [f"{path}.{i}" for i in range(stack.kept(keep))]:
             return None
+        at = computed.index(traced[0]) if traced[0] in computed else -1
+        if computed[at : at + len(traced)] != traced:  # interleaved with another stack's:
+            return None  # its repeats would not follow its last block traced
         weights[traced[-1]] = float(len(stack.blocks) - stack.kept(keep) + 1)
     return weights
 

@@ -116,9 +116,14 @@ def crossings(captured: Captured, result) -> tuple[Crossing, ...]:
     out = [Crossing() for _ in layers]
     for n in spans:
         last = max((where[u] for u in n.users if u in where), default=where[n])
+        passing = None  # crossing a cut no reader follows (the targets: priced once)
         for cut in range(where[n] + 1, last + 1):
             readers = {u for u in n.users if where.get(u) == cut}
-            out[cut] = out[cut] + _priced(n, readers, result)
+            if readers:
+                out[cut] = out[cut] + _priced(n, readers, result)
+                continue
+            passing = passing or _priced(n, readers, result)
+            out[cut] = out[cut] + passing
     return tuple(out)
 
 
