@@ -636,6 +636,32 @@ def test_a_scattered_boundary_is_run_where_it_is_faster() -> None:
     assert price_schedule(every_cut(costs, cheap), "1f1b", 1, 4, one).boundary == "placed"
 
 
+def test_nodes_between_two_stacks_run_with_the_next_stack() -> None:
+    """Between an encoder's last block and a decoder's first (Hugging Face BART), the
+    nodes outside the blocks (the encoder's final norm, the decoder's embedding) run with
+    the decoder's first block; a parameter outside the blocks is held where its first
+    reader runs (the encoder's embedding norm, registered after its blocks, on the first
+    stage); before the first block and after the last as ever."""
+    from autopar.capture import capture
+    from autopar.capture.analysis import assign_stages, batch_dependent, layer_parts
+    from autopar.capture.export import layer_of
+    from autopar.cli.sources import load_model
+
+    model, batch = load_model(HF_FAMILIES, "bart:2", 4)
+    captured = capture(model, batch)
+    parts, stages = layer_parts(captured), assign_stages(captured, [0, 2])
+    nodes = [n for n in captured.gm.graph.nodes if n.op == "call_function"]
+    first_decoder = next(i for i, n in enumerate(nodes) if "decoder.layers.0" in str(layer_of(n)))
+    last_encoder = max(i for i, n in enumerate(nodes) if "encoder.layers.1" in str(layer_of(n)))
+    between = nodes[last_encoder + 1 : first_decoder]
+    assert between and all(parts[n] == 3 for n in between)  # decoder block 0: part 3
+    batch_nodes = batch_dependent(captured)
+    assert all(stages[n] == 1 for n in between if n in batch_nodes)
+    assert parts[nodes[0]] == 0 and parts[nodes[-1]] == 5  # embedding; loss
+    norm = next(n for n in captured.placeholders() if "encoder_layernorm_embedding_w" in n.name)
+    assert parts[norm] == 0
+
+
 def test_each_cut_is_priced_with_what_it_carries() -> None:
     """The schedule's messages between ranks are each cut's own: a cut where 64 ms of
     messages cross is dearer than one where nothing does (the same stages otherwise)."""
@@ -690,6 +716,10 @@ def test_a_cut_is_priced_carrying_what_the_stage_split_sends() -> None:
         assert costs.crossings[cut].placed_bytes == whole / 2, costs.layers[cut]
     encoder = costs.crossings[1].placed_bytes  # its stream, the targets and padding mask
     assert costs.crossings[3].placed_bytes > 1.8 * encoder  # two streams and the targets
+    # between the stacks the encoder's final norm and the decoder's embedding run on the
+    # decoder's first stage, priced there: that cut carries the decoder's token ids, not
+    # its embeddings
+    assert costs.crossings[2].placed_bytes < costs.crossings[3].placed_bytes
 
 
 def _solved_gpt_pipeline(axis: str, strategy: str, model=None, batch=None):

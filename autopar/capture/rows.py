@@ -27,9 +27,10 @@ op again on the made values, ~0.1 s against a trace's ~1 s: a `squeeze` of the b
 at one row, which the symbol, exported as at least 2, and the line through two traces of
 more rows both keep; a size a line does not follow), rows above the first call's, or other
 shapes than the first call's beyond dim 0. Another root (the whole model, where a template
-cannot be cut: an encoder-decoder's second stack) is served the same way by an instance of
-its own (Hugging Face BART: each microbatch size's whole-model trace, ~4 s, was made again;
-its plan 34 -> 21 s at 4 layers). A template only prices: the
+cannot be cut: a stack forward does not iterate over, or whose blocks alternate with
+another's) is served the same way by an instance of its own (each microbatch size's
+whole-model trace was made again: Hugging Face BART's, ~4 s, before its template cut both
+its stacks). A template only prices: the
 final plan's graph is built from the winner's template and checked against a concrete
 trace of three blocks (`Template._repeats`), or traced.
 """

@@ -19,8 +19,9 @@ traced (one more trace of three blocks: a forward reading `len(self.layers)`, a 
 unlike the others are traced instead; `autopar.plan` runs that trace in a forked process
 beside the final plan's own work, and plans on the trace where it disagrees), else the
 caller traces the whole model. An encoder-decoder's graph is built one stack at a time,
-its check traces three blocks of each. A plan made on a built graph says so (`plan.solver["graph"] == BUILT`); `compile` traces, and names the
-cause where the fingerprints then differ (`DEPTH_HINT`).
+its check traces three blocks of each. A plan made on a built graph says so
+(`plan.solver["graph"] == BUILT`); `compile` traces, and names the cause where the
+fingerprints then differ (`DEPTH_HINT`).
 """
 
 from __future__ import annotations
@@ -144,9 +145,10 @@ class Template:
 
     def _repeats(self, model: nn.Module, args: Sequence, loss_fn: Callable | None) -> bool:
         """Whether the template, expanded to three blocks, is the model traced with blocks
-        0, 1 and its last (each stack's; after the blocks before the repeated ones): the check that the blocks repeat as block 1 does where the
-        template cannot tell (a forward that reads its depth, `aux / len(self.layers)`; a
-        last block unlike the others). One trace of three blocks, once per template."""
+        0, 1 and its last (of each stack, after its blocks before the repeated ones): the
+        check that the blocks repeat as block 1 does where the template cannot tell (a
+        forward that reads its depth, `aux / len(self.layers)`; a last block unlike the
+        others). One trace of three blocks, once per template."""
         if self.repeats is None:
             fn = _three_traced(model, self.stacks, args, loss_fn)
             self.repeats = self._same(model, loss_fn, fn())

@@ -19,8 +19,8 @@ loss, an encoder's output inside the decoder), each value as the pipeline runtim
 
 `Crossing` holds the bytes each way sends and the seconds the scattered (and the canonical)
 way adds (or saves) per microbatch to a receiving and a sending stage's forward and
-backward, against the placed way's, summed over the values crossing one cut: the redistributions priced by the ILP's own
-`CostContext` on the stage mesh. Where scattering sends less and stages sit on different
+backward, against the placed way's, summed over the values crossing one cut: the
+redistributions priced by the ILP's own `CostContext` on the stage mesh. Where scattering sends less and stages sit on different
 ranks, `inter_op.price_schedule` simulates the schedule both ways and keeps the faster (the
 messages it shortens may lie off the critical path, the redistributions on it).
 """
@@ -34,8 +34,7 @@ import torch
 import torch.fx as fx
 
 from autopar.capture import Captured
-from autopar.capture.analysis import batch_dependent, layer_order
-from autopar.capture.export import layer_of
+from autopar.capture.analysis import batch_dependent, layer_order, layer_parts
 from autopar.cost_models.memory import local_numel
 from autopar.cost_models.reshard import reshard_seconds
 from autopar.passes.strategies import summed_spec
@@ -97,20 +96,20 @@ def crossings(captured: Captured, result) -> tuple[Crossing, ...]:
     """Per layer, what a stage cut before it carries under `result` (an `IntraOpResult` on
     the stage mesh; index 0: no cut): as the stage split sends (`passes.stages`), every
     value computed from the batch (and the batch itself) that a node at or after the cut
-    reads and a node before it made, a node outside the layers on the stage of the layer
-    before it. A decoder's cut carries the residual stream (and the targets, forwarded to
+    reads and a node before it made (a node outside the layers on the stage of its part,
+    `capture.analysis.layer_parts`). A decoder's cut carries the residual stream (and the targets, forwarded to
     the loss); an encoder-decoder's, inside the decoder, the encoder's output too."""
     layers = layer_order(captured)
-    index = {name: i for i, name in enumerate(layers)}
+    part_of, last = layer_parts(captured), len(layers) - 1
     batch = batch_dependent(captured)
     where: dict[fx.Node, int] = {}  # the layer (stage position) each batch value is made at
-    at, spans = 0, []
+    spans = []
     for n in captured.gm.graph.nodes:
-        layer = layer_of(n) if n.op != "placeholder" else None  # the batch enters stage 0
-        at = index[layer] if layer is not None else at
         if n not in batch or n not in result.chosen:
             continue
-        where[n] = at
+        # the batch enters the first stage; before the first layer and after the last run
+        # with them
+        where[n] = 0 if n.op == "placeholder" else min(max(part_of[n] - 1, 0), last)
         if n.op == "placeholder" or isinstance(n.meta.get("val"), torch.Tensor):
             spans.append(n)
     out = [Crossing() for _ in layers]

@@ -19,7 +19,7 @@ from itertools import groupby
 from torch.distributed.tensor import Replicate
 
 from autopar.capture import Captured
-from autopar.capture.analysis import batch_dependent, layer_order
+from autopar.capture.analysis import batch_dependent, layer_order, layer_parts
 from autopar.capture.export import layer_of
 from autopar.cluster import Cluster
 from autopar.cost_models.buckets import Grad, collective_times
@@ -120,7 +120,6 @@ class LayerCosts:
 
 def layer_costs(captured: Captured, result: IntraOpResult) -> LayerCosts:
     layers = layer_order(captured)
-    index = {name: i for i, name in enumerate(layers)}
     # with the pass, each part's program (unweighted: `repeated` copies the layers)
     program = [
         (replace(p, weight=1.0),) if result.comm is not None else ()
@@ -128,7 +127,7 @@ def layer_costs(captured: Captured, result: IntraOpResult) -> LayerCosts:
     ]
     parts = [PartCost(program=p) for p in program[1:-1]]
     pre, post = PartCost(program=program[0]), PartCost(program=program[-1])
-    seen_layer = False
+    part_of = layer_parts(captured)  # as a pipeline runs them
     batch = batch_dependent(captured)
     for n in captured.gm.graph.nodes:
         if n not in result.chosen or n.op == "output":
@@ -141,14 +140,13 @@ def layer_costs(captured: Captured, result: IntraOpResult) -> LayerCosts:
         w = weight_gradient_work(result.ctx, n, result.chosen[n])
         cost = PartCost(time, sync, (mem if state else 0.0) + held, 0.0 if state else mem,
                         grads, *w, update=result.ctx.update_time(n, result.chosen[n]))  # fmt: skip
-        layer = layer_of(n)
-        if layer is not None:
-            seen_layer = True
-            parts[index[layer]] += cost
-        elif seen_layer:
+        i = part_of[n]
+        if i == 0:
+            pre += cost
+        elif i > len(parts):
             post += cost
         else:
-            pre += cost
+            parts[i - 1] += cost
     zero, cast = zero_gather_ratio(captured, result), result.ctx.reduce_itemsize
     cast_back = bool(cast) and cast != param_itemsize(captured)
     cross = crossings(captured, result)

@@ -239,9 +239,10 @@ def replay(
 ) -> Timeline:
     """Each rank runs its actions in order, each starting once the rank is free and its
     inputs exist (F(s, m) after F(s-1, m); the backward of (s, m) after F(s, m) and the
-    backward of (s+1, m); W after I), plus `p2p` per crossing between ranks. Durations as
-    the runtime runs them (module docstring): F = fwd, B = bwd, I = bwd - wgrad, W = wgrad
-    (stage 0: I = 0, W = bwd). A stage's forwards start no earlier than its `ready`. Activations are held from F until B, or until I but for
+    backward of (s+1, m); W after I), plus `p2p` per crossing between ranks (or the
+    cut's own, per cut). Durations as the runtime runs them (module docstring): F = fwd,
+    B = bwd, I = bwd - wgrad, W = wgrad (stage 0: I = 0, W = bwd). A stage's forwards start
+    no earlier than its `ready`. Activations are held from F until B, or until I but for
     the `stash` fraction held until W."""
     num, pp = len(fwd), len(orders)
     w = [min(x, b) for x, b in zip(wgrad or [0.0] * num, bwd, strict=True)]

@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from autopar.capture import Captured
-from autopar.capture.analysis import layer_order
+from autopar.capture.analysis import layer_order, layer_parts
 from autopar.capture.export import layer_of
 from autopar.cluster import Cluster
 from autopar.cost_models import compute
@@ -159,17 +159,14 @@ def zero_gathers(grads: list[Grad], ratio: float) -> list[Grad]:
 
 
 def program_parts(captured: Captured, result: IntraOpResult) -> list[Part]:
-    """The parts in execution order: before the first layer, each layer, after the last."""
-    names = layer_order(captured)
-    index = {name: i + 1 for i, name in enumerate(names)}
-    parts = [Part() for _ in range(len(names) + 2)]
-    seen = False
+    """The parts in execution order: before the first layer, each layer, after the last
+    (`capture.analysis.layer_parts`)."""
+    part_of = layer_parts(captured)  # as a pipeline runs them
+    parts = [Part() for _ in range(len(layer_order(captured)) + 2)]
     for n in captured.gm.graph.nodes:
         if n not in result.chosen or n.op == "output":
             continue
-        layer = layer_of(n)
-        seen = seen or layer is not None
-        i = index[layer] if layer is not None else (len(parts) - 1 if seen else 0)
+        i = part_of[n]
         parts[i].weight = result.ctx.weights.of(n)
         _add_node(parts[i], n, result)
     return parts
