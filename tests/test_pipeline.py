@@ -636,6 +636,22 @@ def test_a_scattered_boundary_is_run_where_it_is_faster() -> None:
     assert price_schedule(every_cut(costs, cheap), "1f1b", 1, 4, one).boundary == "placed"
 
 
+def test_the_embedding_is_priced_on_the_first_stage() -> None:
+    """The stage split runs the embedding on the first stage; its price is there too (the
+    part before the first layer, `layer_parts`), not after the last layer (where it was
+    priced while the blocks' parameters, listed before it, marked a layer seen)."""
+    import torch
+
+    from autopar.search.layer_costs import layer_costs
+
+    _, _, captured, (result, _, _) = _solved_gpt_pipeline("dp", "dp")
+    costs = layer_costs(captured, result)
+    lookups = [n for n in captured.gm.graph.nodes if n.target == torch.ops.aten.embedding.default]
+    seconds = sum(result.node_times(n)[0] for n in lookups)
+    assert lookups and seconds > 0
+    assert costs.pre.time >= seconds
+
+
 def test_nodes_between_two_stacks_run_with_the_next_stack() -> None:
     """Between an encoder's last block and a decoder's first (Hugging Face BART), the
     nodes outside the blocks (the encoder's final norm, the decoder's embedding) run with
