@@ -4,8 +4,8 @@
 block's decisions; the full capture's ILP shares those decisions across blocks. Both must
 give the same placements for every node and parameter, the same levers per layer and the
 same objective (fake process group, meta models: no processes). So for an encoder-decoder
-(Hugging Face BART, T5: two stacks, each cut in the template; T5's first block, the only
-one with the relative position bias, kept beside two repeated ones).
+(Hugging Face T5: two stacks, each cut in the template, each first block, the only one
+with the relative position bias, kept beside two repeated ones).
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ CASES = [  # (sample, options, mesh)
     ("llama", {}, (4,)),
     ("gpt", {"memory_limit": 6.0e5}, (4,)),  # tight: the memory levers and sharding decide
     ("llama", {"pipeline_stages": 2, "microbatches": 2}, (2, 4)),
-    ("hf:bart:4", {}, (2, 2)),  # two stacks of 4 blocks
-    ("hf:t5:4", {"pipeline_stages": 2, "microbatches": 2}, (2, 2)),  # first blocks unlike
+    # two stacks of 4 blocks, each first block unlike the others (BART's two plain
+    # stacks: test_an_encoder_decoder_template_cuts_both_stacks, tests/test_expand.py)
+    ("hf:t5:4", {"pipeline_stages": 2, "microbatches": 2}, (2, 2)),
 ]
 
 
