@@ -302,13 +302,13 @@ def capture_template(
         kept = traced.copy()
         captured = finish(traced, root, loss_fn is not None)
     prefix = "model." if loss_fn is not None else ""
-    weights = _stack_weights(captured, stacks, keep, prefix)
+    layers = layer_order(captured)
+    weights = _stack_weights(captured, layers, stacks, keep, prefix)
     if weights is None:  # a stack is not what forward iterates over: no shortcut, the
         # whole model at any rows
         return Template(capture(model, args, loss_fn, tracer))
-    layers = len(layer_order(captured))
-    total = layers + round(sum(w - 1 for w in weights.values()))
-    if keep != 2 or layers != sum(s.kept(keep) for s in stacks):
+    total = len(layers) + round(sum(w - 1 for w in weights.values()))
+    if keep != 2 or len(layers) != sum(s.kept(keep) for s in stacks):
         # `expand_blocks` repeats block 1 of two, of stacks that are all the blocks
         return Template(captured, total, weights)
     cut = tuple((s.path, len(s.blocks), s.first) for s in stacks)
@@ -321,12 +321,12 @@ def _cut(model: nn.Module, keep: int) -> list[BlockStack]:
 
 
 def _stack_weights(
-    captured: Captured, stacks: list[BlockStack], keep: int, prefix: str
+    captured: Captured, layers: list[str], stacks: list[BlockStack], keep: int, prefix: str
 ) -> dict[str, float] | None:
     """Each cut stack's last traced block -> the blocks it stands for; None where the
     traced blocks (in graph order) are not each stack's kept ones in order, computed in
-    one run each (stacks run one after the other, an encoder's then a decoder's)."""
-    layers = layer_order(captured)
+    one run each (stacks run one after the other, an encoder's then a decoder's).
+    `layers`: the captured graph's (`layer_order`)."""
     computed = [n for n in captured.gm.graph.nodes if n.op == "call_function"]
     computed = list(dict.fromkeys(filter(None, map(layer_of, computed))))
     weights = {}

@@ -20,7 +20,6 @@ from torch.distributed.tensor import Replicate
 
 from autopar.capture import Captured
 from autopar.capture.analysis import batch_dependent, layer_order, layer_parts
-from autopar.capture.export import layer_of
 from autopar.cluster import Cluster
 from autopar.cost_models.buckets import Grad, collective_times
 from autopar.cost_models.comm import Collective
@@ -169,11 +168,11 @@ def tied_bytes(captured: Captured, result: IntraOpResult, itemsize: int | None) 
     mesh) of the parameters both the part before the first layer and the part after the
     last read (through weight-only nodes): a pipeline's first and last stages each hold
     them. `itemsize`: the gradients' (None: the parameters')."""
-    batch, where, seen = batch_dependent(captured), {}, False
-    for n in captured.gm.graph.nodes:
-        if n.op == "call_function" and n in batch:
-            seen = seen or layer_of(n) is not None
-            where[n] = layer_of(n) or ("post" if seen else "pre")
+    batch, part_of = batch_dependent(captured), layer_parts(captured)
+    where = {
+        n: part_of[n] for n in captured.gm.graph.nodes if n.op == "call_function" and n in batch
+    }
+    ends = {0, len(layer_order(captured)) + 1}  # before the first layer, after the last
     local = whole = gather = 0.0
     for p in captured.placeholders():
         if p.name not in captured.params or p not in result.chosen:
@@ -185,7 +184,7 @@ def tied_bytes(captured: Captured, result: IntraOpResult, itemsize: int | None) 
                     parts.add(where[user])
                 elif user.op == "call_function":
                     frontier.append(user)
-        if {"pre", "post"} <= parts:
+        if ends <= parts:
             val = p.meta["val"]
             size = itemsize or val.element_size()
             spec = result.chosen[p].outputs[0]
