@@ -97,5 +97,7 @@ def test_a_transposed_weight_moved_as_its_source_copies_nothing() -> None:
     plain = reshard_seconds(cluster, (Shard(1),), (R,), shape, 4)
     via = reshard_seconds(cluster, (Shard(1),), (R,), shape, 4, via=flip)
     assert via == pytest.approx(plain - rearrange_seconds(cluster, (Shard(1),), (R,), shape, 4))
-    # where another axis splits the source too (FSDP x TP), the value is moved itself
-    assert through_source((Shard(1), Shard(0)), (R, Shard(0)), flip) is None
+    # where another axis splits the source's other dim (FSDP x TP), that split stays
+    assert through_source((Shard(1), Shard(0)), (R, Shard(0)), flip) == (R, Shard(1))
+    # both axes splitting the gathered dim (nested: DTensor orders them): moved itself
+    assert through_source((Shard(1), Shard(1)), (R, Shard(1)), flip) is None
