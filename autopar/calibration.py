@@ -34,8 +34,11 @@ next; timed as loops they agree within ~15%):
   glibc's mmap threshold, so each output is freshly mapped as a step's large tensors are:
   16 MiB measured 2.6 to 20 GB/s from one calibration to the next, 64 MiB 2.3-2.5);
 * ``launch_overhead``: a one-element op;
-* fused attention (``scaled_dot_product_attention``): its rate over the matmul peak is
-  ``attention_efficiency``;
+* fused attention (``scaled_dot_product_attention``, 4 heads of 64) at twice the largest
+  matmul side, and at an eighth of it with 8 times the batch: the two rates over the
+  matmul peak fit ``attention_efficiency`` and ``attention_half_flops`` as the matmul
+  curve does; the long one again under a causal mask: its share of the unmasked time
+  gives the kernel's key tile, ``attention_block`` (``compute.causal_share``);
 * ``overlap_efficiency``: a loop of matmuls and an all-reduce over every rank, each alone
   and then at once (the all-reduce issued without waiting, as gradient buckets are): the
   share of the shorter one the other hides (``overlap_efficiency``; 1 where the file has no
@@ -175,7 +178,7 @@ def cluster_from_measurements(
         for (f, t, _), n in zip(fp32, sides, strict=True)
     ]
     half = statistics.median(fixed) * peaks["float32"]
-    attention = min(1.0, m["attention_flops"] / peaks["float32"]) if m["attention_flops"] else 1.0
+    attention, attention_half, block = _attention_fit(m, peaks["float32"])
     device = DeviceSpec(
         f"calibrated {m['device_name']}",
         peaks,
@@ -184,6 +187,8 @@ def cluster_from_measurements(
         matmul_half_flops=half,
         matmul_half_dim=thin,
         attention_efficiency=max(attention, 1e-6),
+        attention_half_flops=attention_half,
+        attention_block=block,
         launch_overhead=launch,
         overlap_efficiency=overlap_efficiency(*m["overlap"]) if "overlap" in m else 1.0,
     )
@@ -193,6 +198,31 @@ def cluster_from_measurements(
     widest = max(range(len(mesh)), key=lambda i: mesh[i])
     fabric = Fabric(links[widest], math.inf, links[widest].latency)
     return Cluster(device, mesh, names, links, backend, math.prod(mesh), fabric)
+
+
+def _attention_fit(m: dict[str, Any], peak: float) -> tuple[float, float, float]:
+    """(attention_efficiency, attention_half_flops, attention_block) from the long and the
+    short attention's rates (``rate = eff * peak * f / (f + h)`` through both) and the
+    causal run's share of the full one's time (``causal_share``'s ``(1 + block / seq) / 2``;
+    a share of 1 says only that the tile is at least the sequence). A file without the
+    short and causal runs (older calibrations) gives the long rate alone."""
+    rate = m.get("attention_flops") or 0.0
+    if not rate:
+        return 1.0, 0.0, 0.0
+    seq = m.get("attention_seq", 0)
+    f_big = 4.0 * 4 * seq * seq * 64
+    half = 0.0
+    if "attention_small" in m and seq:
+        f_small, t_small = m["attention_small"]
+        ratio = (f_small / t_small) / rate  # the short kernel's rate over the long one's
+        if ratio < 1 and ratio * f_big > f_small:
+            half = f_small * f_big * (1 - ratio) / (ratio * f_big - f_small)
+    eff = min(1.0, rate * (f_big + half) / (f_big * peak)) if f_big else min(1.0, rate / peak)
+    share = m.get("attention_causal_share")
+    block = 0.0
+    if share is not None and seq:
+        block = min(max(seq * (2.0 * share - 1.0), 0.0), float(seq))
+    return eff, half, block
 
 
 def _half_dim(skinny: list, peak: float, launch: float) -> float:
@@ -404,7 +434,7 @@ def _measure(device: str, dmesh, names, cfg: dict[str, Any], bar: _Progress) -> 
         t = _timed(lambda x=x: x * 2, device, reps)
         memory.append((2.0 * numel * 4, t, 2.0 * numel * 4 / t))
         bar.step(f"memory-bound {numel * 4 >> 10} KiB")
-    attention = _attention_rate(device, cfg, reps)
+    attention = _attention(device, cfg, reps)
     bar.step("attention")
     comm = {name: _measure_axis(device, dmesh, name, cfg, bar) for name in names}
     overlap = _overlap(device, cfg)
@@ -416,7 +446,7 @@ def _measure(device: str, dmesh, names, cfg: dict[str, Any], bar: _Progress) -> 
         "matmul": matmul,
         "skinny": skinny,
         "memory": memory,
-        "attention_flops": attention,
+        **attention,
         "comm": comm,
         "overlap": overlap,
     }
@@ -452,11 +482,27 @@ def _overlap(device: str, cfg: dict[str, Any]) -> list[float]:
     ]
 
 
-def _attention_rate(device: str, cfg: dict[str, Any], reps: int) -> float:
-    seq = max(cfg["matmul"])
-    q = torch.randn(1, 4, seq, 64, device=device)
-    t = _timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q), device, reps)
-    return 4.0 * 4 * seq * seq * 64 / t
+def _attention(device: str, cfg: dict[str, Any], reps: int) -> dict[str, Any]:
+    """Fused attention, 4 heads of 64: FLOP/s at a long sequence (twice the largest
+    matmul side), the time a causal mask leaves of it (`causal_share`), and (flops,
+    seconds) at an eighth of the sequence with 8 times the batch (a kernel of 1/8 the
+    FLOPs: the size curve)."""
+    seq = 2 * max(cfg["matmul"])
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def timed(batch: int, length: int, causal: bool) -> tuple[float, float]:
+        q = torch.randn(batch, 4, length, 64, device=device)
+        t = _timed(lambda: sdpa(q, q, q, is_causal=causal), device, reps)
+        return 4.0 * batch * 4 * length * length * 64, t
+
+    flops, full = timed(1, seq, False)
+    _, causal = timed(1, seq, True)
+    return {
+        "attention_flops": flops / full,
+        "attention_seq": seq,
+        "attention_causal_share": causal / full,
+        "attention_small": timed(8, seq // 8, False),
+    }
 
 
 def _measure_axis(device: str, dmesh, name: str, cfg: dict[str, Any], bar: _Progress) -> list:

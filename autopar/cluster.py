@@ -79,6 +79,8 @@ class _Preset:
 #     matmul_half_flops ~ 1-2 GFLOP.
 #   Attention: FlashAttention-2 (Dao, 2023) fwd+bwd ~65% of peak on A100; on H100 FA2 runs
 #     at ~35% and FA3 at up to ~75% (Shah et al., 2024): cuDNN/FA-class kernels ~50%.
+#     Their key tiles are 64-128 tokens (FA2's kBlockN; FA3 128): under a causal mask a
+#     kernel runs ~(1 + 128 / seq) / 2 of the unmasked work (attention_block).
 #   Memory-bound kernels: BabelStream/STREAM triad reaches ~85% of HBM bandwidth.
 #   Collectives: nccl-tests ring busbw ~370 GB/s of NVLink4's 450 GB/s line rate
 #     (NVIDIA/nccl-tests#212), ~230 GB/s of NVLink3's 300 (NVIDIA/nccl-tests#149 reports
@@ -89,7 +91,7 @@ PRESETS: dict[str, _Preset] = {
     "dgx-a100-80g": _Preset(
         DeviceSpec(
             "A100-SXM4-80GB", {"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12}, 80 * _GiB, 2.0e12,
-            matmul_efficiency=0.85, matmul_half_flops=1e9, attention_efficiency=0.65,
+            matmul_efficiency=0.85, matmul_half_flops=1e9, attention_efficiency=0.65, attention_block=128,
             memory_efficiency=0.85, launch_overhead=3e-6,
         ),
         Link(300e9, 5e-6, 0.77), 8 * 25e9, 10e-6, 8, "nccl", "gpu", inter_efficiency=0.9,
@@ -98,7 +100,7 @@ PRESETS: dict[str, _Preset] = {
     "dgx-h100": _Preset(
         DeviceSpec(
             "H100-SXM5-80GB", {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12}, 80 * _GiB, 3.35e12,
-            matmul_efficiency=0.72, matmul_half_flops=2e9, attention_efficiency=0.5,
+            matmul_efficiency=0.72, matmul_half_flops=2e9, attention_efficiency=0.5, attention_block=128,
             memory_efficiency=0.85, launch_overhead=3e-6,
         ),
         Link(450e9, 5e-6, 0.82), 8 * 50e9, 10e-6, 8, "nccl", "gpu", inter_efficiency=0.9,
@@ -109,7 +111,7 @@ PRESETS: dict[str, _Preset] = {
     "p3.16xlarge": _Preset(
         DeviceSpec(
             "V100-SXM2-16GB", {"float32": 15.7e12, "bfloat16": 15.7e12, "float16": 125e12}, 16 * _GiB, 900e9,
-            matmul_efficiency=0.8, matmul_half_flops=5e8, attention_efficiency=0.5,
+            matmul_efficiency=0.8, matmul_half_flops=5e8, attention_efficiency=0.5, attention_block=128,
             memory_efficiency=0.85, launch_overhead=3e-6,
         ),
         Link(150e9, 5e-6, 0.85), 25e9 / 8, 30e-6, 8, "nccl", "gpu",  # 25 Gb/s = 3.125e9 B/s per node
@@ -127,7 +129,7 @@ PRESETS: dict[str, _Preset] = {
     "cpu": _Preset(
         DeviceSpec(
             "cpu", {"float32": 50e9, "bfloat16": 25e9, "float16": 25e9}, 24e9, 20e9,
-            overlap_efficiency=0.1,
+            overlap_efficiency=0.1, attention_block=512,  # PyTorch's CPU flash kernel
         ),
         Link(1e9, 50e-6, kind_efficiency=(("all_gather", 0.17), ("reduce_scatter", 0.1))),
         math.inf, 50e-6, None, "gloo", "cpu",

@@ -27,6 +27,8 @@ _DEVICE_FIELDS = (
     "matmul_half_flops",
     "matmul_half_dim",
     "attention_efficiency",
+    "attention_half_flops",
+    "attention_block",
     "memory_efficiency",
     "launch_overhead",
     "overlap_efficiency",
@@ -101,6 +103,11 @@ class DeviceSpec:
     matmul_efficiency: float = 1.0  # achieved / peak FLOP/s of a large matmul kernel
     matmul_half_flops: float = 0.0  # FLOPs of a kernel reaching half of matmul_efficiency
     attention_efficiency: float = 1.0  # achieved / peak FLOP/s of fused attention kernels
+    # FLOPs of an attention kernel reaching half of attention_efficiency (0: no size effect)
+    attention_half_flops: float = 0.0
+    # the key/value tile of the fused attention kernel, in tokens: a causal mask skips only
+    # the tiles wholly above the diagonal (0: every masked score skipped, half the work)
+    attention_block: float = 0.0
     memory_efficiency: float = 1.0  # achieved / peak bandwidth of memory-bound kernels
     launch_overhead: float = 0.0  # seconds per kernel (launch, dispatch, tail)
     # the fraction of a collective's time that hides under compute running meanwhile: 1
@@ -126,7 +133,10 @@ class DeviceSpec:
         )
         for name in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
             object.__setattr__(self, name, _fraction(getattr(self, name), name))
-        for name in ("matmul_half_flops", "matmul_half_dim", "launch_overhead"):
+        for name in (
+            *("matmul_half_flops", "matmul_half_dim", "launch_overhead"),
+            *("attention_half_flops", "attention_block"),
+        ):
             object.__setattr__(self, name, _non_negative(getattr(self, name), name))
         overlap = float(self.overlap_efficiency)
         if not 0 <= overlap <= 1:

@@ -122,6 +122,34 @@ def test_efficiency_in_unit_interval(cluster: Cluster) -> None:
     # the size curve never decreases with the kernel's size
     effs = [compute.compute_efficiency(f, "matmul", cluster) for f in FLOPS]
     assert all(b >= a for a, b in itertools.pairwise(effs))
+    for f, kv in itertools.product(FLOPS, (64, 1024, 8192)):
+        assert 0 < compute.compute_efficiency(f, "attention", cluster, causal_kv=kv) <= 1
+
+
+@pytest.mark.parametrize("block", [0, 128, 512])
+def test_a_causal_attention_runs_what_its_key_tiles_leave(block: int) -> None:
+    """Under a causal mask a flash kernel skips only the key tiles wholly above the
+    diagonal: its share of the unmasked work is 1/2 (ideal) to 1 (the keys fit one tile),
+    never growing with the sequence; the counted (halved) FLOPs are priced at least half
+    the unmasked attention's time, at most all of it, and a larger tile never runs faster."""
+    device = replace(Cluster.preset("cpu").device, attention_block=block)
+    cluster = replace(Cluster.preset("cpu"), device=device)
+    lengths = (64, 128, 512, 1024, 4096, 65536)
+    shares = [compute.causal_share(kv, block) for kv in lengths]
+    assert all(0.5 <= x <= 1 for x in shares)
+    assert all(b <= a for a, b in itertools.pairwise(shares))
+    assert compute.causal_share(block or 1, block) == (1.0 if block else 0.5)
+    for kv in lengths:
+        full = 4.0 * 8 * kv * kv * 64  # the unmasked attention's FLOPs
+        unmasked = compute.compute_time(full, 0.0, "float32", cluster, op="attention")
+        causal = compute.compute_time(
+            full / 2, 0.0, "float32", cluster, op="attention", causal_kv=kv
+        )
+        assert unmasked / 2 <= causal * (1 + 1e-9) and causal <= unmasked * (1 + 1e-9)
+        wider = replace(cluster, device=replace(device, attention_block=block + 256))
+        assert compute.compute_time(
+            full / 2, 0.0, "float32", wider, op="attention", causal_kv=kv
+        ) >= causal * (1 - 1e-9)
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS, ids=IDS)

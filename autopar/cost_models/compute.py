@@ -7,7 +7,8 @@ FLOPs (``node_flops``), from the node's ``meta["val"]`` FakeTensors
   ``[M,K] @ [K,N]`` = ``2*M*N*K``.
 * ``aten.scaled_dot_product_attention`` (kept whole by capture) and the CPU flash kernel:
   ``QK^T`` and ``PV`` = ``2*B*Hq*T*S*D + 2*B*Hq*T*S*Dv`` (= ``4*B*H*T*S*D``; GQA broadcasts KV
-  heads). With ``is_causal`` the count is halved: flash kernels skip fully masked blocks.
+  heads). With ``is_causal`` the count is halved (the scores a causal mask keeps); what
+  a flash kernel runs of the rest depends on its key tile (``causal_share``, below).
   (PyTorch's counter does not halve.)
 * View ops (``OpOverload.is_view``, ``_unsafe_view``, getitem) cost 0 FLOPs and 0 bytes.
 * Everything else: 1 FLOP per element of the largest tensor it touches (the output for
@@ -30,7 +31,11 @@ smallest local dimension ``d`` of a plain matmul (``matmul_dims``: a skinny matm
 rows of a microbatch split many ways or a weight gradient over them, is far from peak
 whatever its FLOPs: on a 2-core CPU ``[32, 2048] @ [2048, 2048]`` ran at 0.62 of the large
 rate, ``d_half`` ~19), fused attention runs at
-``attention_efficiency``, and memory-bound ops (``"memory"``: everything else, whose
+``attention_efficiency``, times the same size curve in ``attention_half_flops`` (a
+128-token attention ran at ~0.7 of a 1024-token one's rate on a 2-core CPU) and, under a
+causal mask, ``1 / (2 * causal_share)``: the kernel skips only the key tiles
+(``attention_block`` tokens) wholly above the diagonal, so it runs ``causal_share`` of the
+unmasked work for the half of it counted, and memory-bound ops (``"memory"``: everything else, whose
 arithmetic intensity puts them on the bandwidth side; their FLOP side stays at peak) stream
 at ``memory_efficiency`` of the HBM bandwidth, as every class's bytes do. The figures live on ``DeviceSpec`` (presets: published measurements;
 ``autopar calibrate``: this machine's). All efficiencies are in (0, 1].
@@ -147,6 +152,29 @@ def _sdpa_flops(node: Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> fl
     q, k, v = args[:3]
     flops = float(sdpa_flop_count(tuple(q.shape), tuple(k.shape), tuple(v.shape)))
     return flops / 2 if _arg(node, args, kwargs, "is_causal") else flops
+
+
+def causal_kv(node: Node) -> float | None:
+    """The key length of a causal fused attention node (None: not one, or not causal)."""
+    packet = _packet(node)
+    if packet not in _SDPA and packet not in _SDPA_FUSED:
+        return None
+    args, kwargs = _vals(node)
+    if not _arg(node, args, kwargs, "is_causal"):
+        return None
+    k = args[1]
+    return float(k.shape[-2]) if isinstance(k, torch.Tensor) and k.dim() >= 2 else None
+
+
+def causal_share(kv: float, block: float) -> float:
+    """The share of its full (unmasked) work a fused attention kernel runs under a causal
+    mask over `kv` keys when it skips only the key tiles of `block` tokens wholly above
+    the diagonal: ~(1 + block / kv) / 2, at most 1 (0: ideal skipping, 1/2). PyTorch's CPU
+    flash kernel tiles keys by 512 (a causal 128-token attention runs all of its work,
+    a 1024-token one ~3/4: measured 0.76), FlashAttention-2 by 64-128."""
+    if block <= 0 or kv <= 0:
+        return 0.5
+    return min(1.0, 0.5 + block / (2.0 * kv))
 
 
 def node_flops(node: Node) -> float:
@@ -287,14 +315,24 @@ def training_kernels(node: Node) -> int:
 
 
 def compute_efficiency(
-    flops_per_kernel: float, op: str, cluster: Cluster, min_dim: float | None = None
+    flops_per_kernel: float,
+    op: str,
+    cluster: Cluster,
+    min_dim: float | None = None,
+    causal_kv: float | None = None,
 ) -> float:
     """Achieved fraction of peak FLOP/s of one ``op``-class kernel of that size, in (0, 1];
     ``min_dim``: a matmul's smallest local dimension (rows, inner, columns; None: unknown),
-    which scales it by ``min_dim / (min_dim + matmul_half_dim)``."""
+    which scales it by ``min_dim / (min_dim + matmul_half_dim)``; ``causal_kv``: a causal
+    attention's key length (`causal_kv`), whose counted FLOPs (half the scores) the kernel
+    runs at the share `causal_share` of its full work."""
     device = cluster.device
     if op == "attention":
-        return device.attention_efficiency
+        share = causal_share(causal_kv, device.attention_block) if causal_kv else 0.5
+        run = flops_per_kernel * share / 0.5 if causal_kv else flops_per_kernel
+        half = device.attention_half_flops
+        size = run / (run + half) if half > 0 and run > 0 else 1.0
+        return max(device.attention_efficiency * size * 0.5 / share, 1e-9)
     if op not in OP_CLASSES:
         raise ValueError(f"unknown op class {op!r}; expected one of {OP_CLASSES}")
     if op == "memory":
@@ -318,15 +356,16 @@ def compute_time(
     op: str = "matmul",
     kernels: int = 1,
     min_dim: float | None = None,
+    causal_kv: float | None = None,
 ) -> float:
     """Seconds of ``kernels`` kernels of class ``op`` doing ``flops`` and moving ``nbytes``
-    in total (see the module docstring; ``min_dim``: `compute_efficiency`); 0 work costs
-    nothing."""
+    in total (see the module docstring; ``min_dim``, ``causal_kv``: `compute_efficiency`);
+    0 work costs nothing."""
     if flops <= 0 and nbytes <= 0:
         return 0.0
     device = cluster.device
     k = max(int(kernels), 1)
-    eff = compute_efficiency(flops / k, op, cluster, min_dim)
+    eff = compute_efficiency(flops / k, op, cluster, min_dim, causal_kv)
     return (
         max(
             flops / (device.peak_flops_for(dtype) * eff),
@@ -348,6 +387,7 @@ def node_time(node: Node, cluster: Cluster, *, fraction: float = 1.0) -> float:
         node_dtype(node),
         cluster,
         op=op_class(node),
+        causal_kv=causal_kv(node),
     )
 
 

@@ -145,6 +145,7 @@ class CostContext(EdgeMatrices, EdgeCollectives):
         self._byte_parts: dict[fx.Node, tuple | None] = {}  # `local_bytes`' table
         self._spec_shards: dict[int, int] = {}  # by `_spec_number`
         self._matmul_dims: dict[fx.Node, tuple | None] = {}
+        self._causal_kvs: dict[fx.Node, float | None] = {}
         EdgeMatrices.__init__(self)
 
     # ---- graph helpers -------------------------------------------------------------------
@@ -175,6 +176,7 @@ class CostContext(EdgeMatrices, EdgeCollectives):
             op=compute.op_class(n),
             kernels=compute.training_kernels(n),
             min_dim=self._min_dim(n, s),
+            causal_kv=self._causal_kv(n),
         )
         t += REGION_EXCHANGES * self._region_exchange(n, s)
         ring = attention.ring_axis(n, s)
@@ -200,6 +202,7 @@ class CostContext(EdgeMatrices, EdgeCollectives):
             self.cluster,
             op=compute.op_class(n),
             min_dim=self._min_dim(n, s),
+            causal_kv=self._causal_kv(n),
         )
         t += REGION_FORWARD_EXCHANGES * self._region_exchange(n, s)
         ring = attention.ring_axis(n, s)
@@ -247,6 +250,12 @@ class CostContext(EdgeMatrices, EdgeCollectives):
             for spec, nbytes in zip(specs, sizes, strict=False):
                 total += nbytes / self._shards(spec) if nbytes else 0.0
         return total
+
+    def _causal_kv(self, n: fx.Node) -> float | None:
+        """A causal attention's key length (`compute.causal_kv`), read once per node."""
+        if (kv := self._causal_kvs.get(n, ())) == ():
+            kv = self._causal_kvs[n] = compute.causal_kv(n)
+        return kv
 
     def _min_dim(self, n: fx.Node, s: NodeStrategy) -> float | None:
         """A plain matmul's smallest local dimension under `s` (`compute.matmul_dims`)."""
