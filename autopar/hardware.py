@@ -103,11 +103,6 @@ class DeviceSpec:
     matmul_efficiency: float = 1.0  # achieved / peak FLOP/s of a large matmul kernel
     matmul_half_flops: float = 0.0  # FLOPs of a kernel reaching half of matmul_efficiency
     attention_efficiency: float = 1.0  # achieved / peak FLOP/s of fused attention kernels
-    # FLOPs of an attention kernel reaching half of attention_efficiency (0: no size effect)
-    attention_half_flops: float = 0.0
-    # the key/value tile of the fused attention kernel, in tokens: a causal mask skips only
-    # the tiles wholly above the diagonal (0: every masked score skipped, half the work)
-    attention_block: float = 0.0
     memory_efficiency: float = 1.0  # achieved / peak bandwidth of memory-bound kernels
     launch_overhead: float = 0.0  # seconds per kernel (launch, dispatch, tail)
     # the fraction of a collective's time that hides under compute running meanwhile: 1
@@ -117,6 +112,11 @@ class DeviceSpec:
     # the smallest of a matmul kernel's rows, inner and columns at which it runs at half
     # its rate (0: no shape effect): a skinny matmul is far from peak whatever its FLOPs
     matmul_half_dim: float = 0.0
+    # FLOPs of an attention kernel reaching half of attention_efficiency (0: no size effect)
+    attention_half_flops: float = 0.0
+    # the key/value tile of the fused attention kernel, in tokens: a causal mask skips only
+    # the tiles wholly above the diagonal (0: every masked score skipped, half the work)
+    attention_block: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.name:

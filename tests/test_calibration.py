@@ -12,12 +12,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from autopar.calibration import (
-    _fit_link,
-    calibration_age_hours,
-    cluster_from_measurements,
-    overlap_efficiency,
-)
+from autopar.calibration import calibration_age_hours
+from autopar.calibration_fit import _fit_link, cluster_from_measurements, overlap_efficiency
 from autopar.cli import app
 from autopar.cli.args import make_cluster
 from autopar.cluster import Cluster, Link

@@ -54,7 +54,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autopar.passes.precision",
     ),
     ("autopar.runtime",),
-    ("autopar.api", "autopar.planning", "autopar.rank_plans", "autopar.calibration"),
+    (
+        "autopar.api",
+        "autopar.planning",
+        "autopar.rank_plans",
+        "autopar.calibration",
+        "autopar.calibration_fit",
+    ),
     ("autopar.views", "autopar.plan_views", "autopar.testing", "autopar.cli", "autopar.__main__"),
 )
 

@@ -251,11 +251,10 @@ class CostContext(EdgeMatrices, EdgeCollectives):
                 total += nbytes / self._shards(spec) if nbytes else 0.0
         return total
 
-    def _causal_kv(self, n: fx.Node) -> float | None:
-        """A causal attention's key length (`compute.causal_kv`), read once per node."""
-        if (kv := self._causal_kvs.get(n, ())) == ():
-            kv = self._causal_kvs[n] = compute.causal_kv(n)
-        return kv
+    def _causal_kv(self, n: fx.Node) -> float | None:  # `compute.causal_kv`, once per node
+        if n not in self._causal_kvs:
+            self._causal_kvs[n] = compute.causal_kv(n)
+        return self._causal_kvs[n]
 
     def _min_dim(self, n: fx.Node, s: NodeStrategy) -> float | None:
         """A plain matmul's smallest local dimension under `s` (`compute.matmul_dims`)."""
