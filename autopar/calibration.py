@@ -36,8 +36,8 @@ next; timed as loops they agree within ~15%):
 * ``launch_overhead``: a one-element op;
 * fused attention (``scaled_dot_product_attention``, 4 heads of 64) at twice the largest
   matmul side, and at an eighth of it with 8 times the batch: the two rates over the
-  matmul peak fit ``attention_efficiency`` and ``attention_half_flops`` as the matmul
-  curve does; the long one again under a causal mask: its share of the unmasked time
+  matmul peak fit ``attention_efficiency`` and ``attention_half_seq`` (``rate = eff *
+  peak * kv / (kv + half)`` in the key length ``kv``); the long one again under a causal mask: its share of the unmasked time
   gives the kernel's key tile, ``attention_block`` (``compute.causal_share``);
 * ``overlap_efficiency``: a loop of matmuls and an all-reduce over every rank, each alone
   and then at once (the all-reduce issued without waiting, as gradient buckets are): the
@@ -331,24 +331,48 @@ def _overlap(device: str, cfg: dict[str, Any]) -> list[float]:
 def _attention(device: str, cfg: dict[str, Any], reps: int) -> dict[str, Any]:
     """Fused attention, 4 heads of 64: FLOP/s at a long sequence (twice the largest
     matmul side), the time a causal mask leaves of it (`causal_share`), and (flops,
-    seconds) at an eighth of the sequence with 8 times the batch (a kernel of 1/8 the
-    FLOPs: the size curve)."""
+    seconds) at an eighth of the sequence with 8 times the batch (the rate's curve in the
+    key length)."""
     seq = 2 * max(cfg["matmul"])
     sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def timed(batch: int, length: int, causal: bool) -> tuple[float, float]:
-        q = torch.randn(batch, 4, length, 64, device=device)
-        t = _timed(lambda: sdpa(q, q, q, is_causal=causal), device, reps)
-        return 4.0 * batch * 4 * length * length * 64, t
-
-    flops, full = timed(1, seq, False)
-    _, causal = timed(1, seq, True)
+    runs = ((1, seq, False), (1, seq, True), (8, seq // 8, False))  # (batch, keys, causal)
+    qs = [(torch.randn(b, 4, n, 64, device=device), c) for b, n, c in runs]
+    calls = [lambda q=q, c=c: sdpa(q, q, q, is_causal=c) for q, c in qs]
+    full, causal, short = _timed_in_turns(calls, device, max(reps, 7))
+    flops = [4.0 * b * 4 * n * n * 64 for b, n, _ in runs]
     return {
-        "attention_flops": flops / full,
+        "attention_flops": flops[0] / full,
         "attention_seq": seq,
         "attention_causal_share": causal / full,
-        "attention_small": timed(8, seq // 8, False),
+        "attention_small": (flops[2], short),
     }
+
+
+def _timed_in_turns(fns: list[Callable[[], Any]], device: str, reps: int) -> list[float]:
+    """`_timed` of several calls in turns, one repetition of each per round: a slower
+    spell of a shared machine falls on all of them alike, so their ratios (what the
+    attention's fit reads) hold where times taken one after the other did not (two
+    calibrations minutes apart fitted a key tile of 637 and 228 tokens)."""
+    calls = []
+    for fn in fns:
+        fn()  # warm-up
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        calls.append(_calls_lasting(time.perf_counter() - t0, device))
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, n, own in zip(fns, calls, times, strict=True):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            _sync(device)
+            own.append((time.perf_counter() - t0) / n)
+    t = torch.tensor([statistics.median(own) for own in times], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return [float(x) / dist.get_world_size() for x in t.tolist()]
 
 
 def _measure_axis(device: str, dmesh, name: str, cfg: dict[str, Any], bar: _Progress) -> list:

@@ -45,7 +45,7 @@ def cluster_from_measurements(
         matmul_half_flops=half,
         matmul_half_dim=thin,
         attention_efficiency=max(attention, 1e-6),
-        attention_half_flops=attention_half,
+        attention_half_seq=attention_half,
         attention_block=block,
         launch_overhead=launch,
         overlap_efficiency=overlap_efficiency(*m["overlap"]) if "overlap" in m else 1.0,
@@ -59,27 +59,28 @@ def cluster_from_measurements(
 
 
 def _attention_fit(m: dict[str, Any], peak: float) -> tuple[float, float, float]:
-    """(attention_efficiency, attention_half_flops, attention_block) from the long and the
-    short attention's rates (``rate = eff * peak * f / (f + h)`` through both) and the
-    causal run's share of the full one's time (``causal_share``'s ``(1 + block / seq) / 2``;
-    a share of 1 says only that the tile is at least the sequence). A file without the
-    short and causal runs (older calibrations) gives the long rate alone."""
+    """(attention_efficiency, attention_half_seq, attention_block) from the long and the
+    short attention's rates (``rate = eff * peak * kv / (kv + h)`` through both, in their
+    key lengths) and the causal run's share of the full one's time (``causal_share``'s
+    ``(1 + block / seq) / 2``; a share of 1 says only that the tile is at least the
+    sequence). A file without the short and causal runs (older calibrations) gives the long
+    rate alone."""
     rate = m.get("attention_flops") or 0.0
     if not rate:
         return 1.0, 0.0, 0.0
-    seq = m.get("attention_seq", 0)
-    f_big = 4.0 * 4 * seq * seq * 64
+    seq = float(m.get("attention_seq", 0))
     half = 0.0
     if "attention_small" in m and seq:
         f_small, t_small = m["attention_small"]
-        ratio = (f_small / t_small) / rate  # the short kernel's rate over the long one's
-        if ratio < 1 and ratio * f_big > f_small:
-            half = f_small * f_big * (1 - ratio) / (ratio * f_big - f_small)
-    eff = min(1.0, rate * (f_big + half) / (f_big * peak)) if f_big else min(1.0, rate / peak)
+        short = seq // 8
+        ratio = (f_small / t_small) / rate  # the short attention's rate over the long one's
+        if ratio < 1 and ratio * seq > short:
+            half = short * seq * (1 - ratio) / (ratio * seq - short)
+    eff = min(1.0, rate * ((seq + half) / seq if seq else 1.0) / peak)
     share = m.get("attention_causal_share")
     block = 0.0
     if share is not None and seq:
-        block = min(max(seq * (2.0 * share - 1.0), 0.0), float(seq))
+        block = min(max(seq * (2.0 * share - 1.0), 0.0), seq)
     return eff, half, block
 
 

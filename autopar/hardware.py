@@ -27,7 +27,7 @@ _DEVICE_FIELDS = (
     "matmul_half_flops",
     "matmul_half_dim",
     "attention_efficiency",
-    "attention_half_flops",
+    "attention_half_seq",
     "attention_block",
     "memory_efficiency",
     "launch_overhead",
@@ -112,8 +112,8 @@ class DeviceSpec:
     # the smallest of a matmul kernel's rows, inner and columns at which it runs at half
     # its rate (0: no shape effect): a skinny matmul is far from peak whatever its FLOPs
     matmul_half_dim: float = 0.0
-    # FLOPs of an attention kernel reaching half of attention_efficiency (0: no size effect)
-    attention_half_flops: float = 0.0
+    # the key length at which attention runs at half of attention_efficiency (0: no effect)
+    attention_half_seq: float = 0.0
     # the key/value tile of the fused attention kernel, in tokens: a causal mask skips only
     # the tiles wholly above the diagonal (0: every masked score skipped, half the work)
     attention_block: float = 0.0
@@ -135,7 +135,7 @@ class DeviceSpec:
             object.__setattr__(self, name, _fraction(getattr(self, name), name))
         for name in (
             *("matmul_half_flops", "matmul_half_dim", "launch_overhead"),
-            *("attention_half_flops", "attention_block"),
+            *("attention_half_seq", "attention_block"),
         ):
             object.__setattr__(self, name, _non_negative(getattr(self, name), name))
         overlap = float(self.overlap_efficiency)

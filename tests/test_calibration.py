@@ -108,23 +108,23 @@ def test_cluster_from_measurements_takes_the_largest_sizes_rates() -> None:
     assert thin.matmul_half_flops <= c.device.matmul_half_flops  # thin squares explained
     assert overlap_efficiency(0.03, 0.02, 0.06) == 0.0  # slower together: nothing hidden
     assert overlap_efficiency(0.03, 0.02, 0.03) == 1.0
-    # attention: the long run's rate alone (an older file) is the efficiency, no size
+    # attention: the long run's rate alone (an older file) is the efficiency, no length
     # curve, ideal causal skipping
-    assert (c.device.attention_half_flops, c.device.attention_block) == (0.0, 0.0)
-    # rates of eff * peak * f / (f + h), eff 0.6, h 3e7, over seq 1024; the causal run
-    # took 0.75 of the full one's time: a key tile of 512 tokens
-    seq, eff, h = 1024, 0.6, 3e7
-    f_big, f_small = 4.0 * 4 * seq**2 * 64, 4.0 * 8 * 4 * (seq // 8) ** 2 * 64
-    rate = lambda f: eff * 5e10 * f / (f + h)  # noqa: E731
+    assert (c.device.attention_half_seq, c.device.attention_block) == (0.0, 0.0)
+    # rates of eff * peak * kv / (kv + h), eff 0.6, h 64, over 1024 and 128 keys; the
+    # causal run took 0.75 of the full one's time: a key tile of 512 tokens
+    seq, eff, h = 1024, 0.6, 64.0
+    rate = lambda kv: eff * 5e10 * kv / (kv + h)  # noqa: E731
+    f_small = 4.0 * 8 * 4 * (seq // 8) ** 2 * 64
     m |= {
-        "attention_flops": rate(f_big),
+        "attention_flops": rate(seq),
         "attention_seq": seq,
         "attention_causal_share": 0.75,
-        "attention_small": [f_small, f_small / rate(f_small)],
+        "attention_small": [f_small, f_small / rate(seq // 8)],
     }
     fit = cluster_from_measurements(m, (2,), ("dp",), "gloo").device
     assert fit.attention_efficiency == pytest.approx(eff)
-    assert fit.attention_half_flops == pytest.approx(h)
+    assert fit.attention_half_seq == pytest.approx(h)
     assert fit.attention_block == pytest.approx(512)
 
 
@@ -141,7 +141,7 @@ def test_calibrate_command_writes_a_loadable_cluster(tmp_path: Path) -> None:
     raw = json.loads(out.read_text())
     assert {"matmul", "skinny", "memory", "comm", "overlap", "taken_at"} <= set(raw["calibration"])
     assert cluster.device.matmul_half_dim >= 0
-    assert cluster.device.attention_half_flops >= 0 and cluster.device.attention_block >= 0
+    assert cluster.device.attention_half_seq >= 0 and cluster.device.attention_block >= 0
     assert 0.0 <= calibration_age_hours(out) < 1.0  # dated: a calibration is of its day
     assert 0.0 <= cluster.device.overlap_efficiency <= 1.0
     assert len(raw["calibration"]["comm"]["dp"]) == 2 * 5  # 2 sizes x (4 collectives + p2p)

@@ -41,6 +41,8 @@ CUSTOM = DeviceSpec(
     attention_efficiency=0.4,
     memory_efficiency=0.7,
     launch_overhead=7e-6,
+    attention_half_seq=64.0,
+    attention_block=256.0,
 )
 
 
@@ -122,8 +124,12 @@ def test_efficiency_in_unit_interval(cluster: Cluster) -> None:
     # the size curve never decreases with the kernel's size
     effs = [compute.compute_efficiency(f, "matmul", cluster) for f in FLOPS]
     assert all(b >= a for a, b in itertools.pairwise(effs))
-    for f, kv in itertools.product(FLOPS, (64, 1024, 8192)):
-        assert 0 < compute.compute_efficiency(f, "attention", cluster, causal_kv=kv) <= 1
+    for f, kv, causal in itertools.product(FLOPS, (64, 1024, 8192), (False, True)):
+        assert 0 < compute.compute_efficiency(f, "attention", cluster, keys=(kv, causal)) <= 1
+    # attention's rate never falls as its key length grows (unmasked)
+    lengths = (1, 64, 1024, 8192, 1 << 20)
+    effs = [compute.compute_efficiency(1e9, "attention", cluster, keys=(k, False)) for k in lengths]
+    assert all(b >= a for a, b in itertools.pairwise(effs))
 
 
 @pytest.mark.parametrize("block", [0, 128, 512])
@@ -141,14 +147,16 @@ def test_a_causal_attention_runs_what_its_key_tiles_leave(block: int) -> None:
     assert compute.causal_share(block or 1, block) == (1.0 if block else 0.5)
     for kv in lengths:
         full = 4.0 * 8 * kv * kv * 64  # the unmasked attention's FLOPs
-        unmasked = compute.compute_time(full, 0.0, "float32", cluster, op="attention")
+        unmasked = compute.compute_time(
+            full, 0.0, "float32", cluster, op="attention", keys=(kv, False)
+        )
         causal = compute.compute_time(
-            full / 2, 0.0, "float32", cluster, op="attention", causal_kv=kv
+            full / 2, 0.0, "float32", cluster, op="attention", keys=(kv, True)
         )
         assert unmasked / 2 <= causal * (1 + 1e-9) and causal <= unmasked * (1 + 1e-9)
         wider = replace(cluster, device=replace(device, attention_block=block + 256))
         assert compute.compute_time(
-            full / 2, 0.0, "float32", wider, op="attention", causal_kv=kv
+            full / 2, 0.0, "float32", wider, op="attention", keys=(kv, True)
         ) >= causal * (1 - 1e-9)
 
 

@@ -31,8 +31,9 @@ smallest local dimension ``d`` of a plain matmul (``matmul_dims``: a skinny matm
 rows of a microbatch split many ways or a weight gradient over them, is far from peak
 whatever its FLOPs: on a 2-core CPU ``[32, 2048] @ [2048, 2048]`` ran at 0.62 of the large
 rate, ``d_half`` ~19), fused attention runs at
-``attention_efficiency``, times the same size curve in ``attention_half_flops`` (a
-128-token attention ran at ~0.7 of a 1024-token one's rate on a 2-core CPU) and, under a
+``attention_efficiency``, times ``kv / (kv + attention_half_seq)`` in its key length
+``kv`` (a 128-token attention ran at ~0.7 of a 1024-token one's rate on a 2-core CPU,
+whatever its batch and heads: the rate follows the sequence, not the FLOPs) and, under a
 causal mask, ``1 / (2 * causal_share)``: the kernel skips only the key tiles
 (``attention_block`` tokens) wholly above the diagonal, so it runs ``causal_share`` of the
 unmasked work for the half of it counted, and memory-bound ops (``"memory"``: everything else, whose
@@ -154,16 +155,16 @@ def _sdpa_flops(node: Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> fl
     return flops / 2 if _arg(node, args, kwargs, "is_causal") else flops
 
 
-def causal_kv(node: Node) -> float | None:
-    """The key length of a causal fused attention node (None: not one, or not causal)."""
+def attention_keys(node: Node) -> tuple[float, bool] | None:
+    """(key length, causal) of a fused attention node; None for any other node."""
     packet = _packet(node)
     if packet not in _SDPA and packet not in _SDPA_FUSED:
         return None
     args, kwargs = _vals(node)
-    if not _arg(node, args, kwargs, "is_causal"):
-        return None
     k = args[1]
-    return float(k.shape[-2]) if isinstance(k, torch.Tensor) and k.dim() >= 2 else None
+    if not isinstance(k, torch.Tensor) or k.dim() < 2:
+        return None
+    return float(k.shape[-2]), bool(_arg(node, args, kwargs, "is_causal"))
 
 
 def causal_share(kv: float, block: float) -> float:
@@ -319,19 +320,21 @@ def compute_efficiency(
     op: str,
     cluster: Cluster,
     min_dim: float | None = None,
-    causal_kv: float | None = None,
+    keys: tuple[float, bool] | None = None,
 ) -> float:
     """Achieved fraction of peak FLOP/s of one ``op``-class kernel of that size, in (0, 1];
     ``min_dim``: a matmul's smallest local dimension (rows, inner, columns; None: unknown),
-    which scales it by ``min_dim / (min_dim + matmul_half_dim)``; ``causal_kv``: a causal
-    attention's key length (`causal_kv`), whose counted FLOPs (half the scores) the kernel
-    runs at the share `causal_share` of its full work."""
+    which scales it by ``min_dim / (min_dim + matmul_half_dim)``; ``keys``: an attention's
+    (key length, causal) (`attention_keys`; None: unknown, the long unmasked rate)."""
     device = cluster.device
     if op == "attention":
-        share = causal_share(causal_kv, device.attention_block) if causal_kv else 0.5
-        run = flops_per_kernel * share / 0.5 if causal_kv else flops_per_kernel
-        half = device.attention_half_flops
-        size = run / (run + half) if half > 0 and run > 0 else 1.0
+        if keys is None:
+            return device.attention_efficiency
+        kv, causal = keys
+        half = device.attention_half_seq
+        size = kv / (kv + half) if half > 0 and kv > 0 else 1.0
+        # the counted FLOPs of a causal attention are half the scores; it runs more
+        share = causal_share(kv, device.attention_block) if causal else 0.5
         return max(device.attention_efficiency * size * 0.5 / share, 1e-9)
     if op not in OP_CLASSES:
         raise ValueError(f"unknown op class {op!r}; expected one of {OP_CLASSES}")
@@ -356,16 +359,16 @@ def compute_time(
     op: str = "matmul",
     kernels: int = 1,
     min_dim: float | None = None,
-    causal_kv: float | None = None,
+    keys: tuple[float, bool] | None = None,
 ) -> float:
     """Seconds of ``kernels`` kernels of class ``op`` doing ``flops`` and moving ``nbytes``
-    in total (see the module docstring; ``min_dim``, ``causal_kv``: `compute_efficiency`);
+    in total (see the module docstring; ``min_dim``, ``keys``: `compute_efficiency`);
     0 work costs nothing."""
     if flops <= 0 and nbytes <= 0:
         return 0.0
     device = cluster.device
     k = max(int(kernels), 1)
-    eff = compute_efficiency(flops / k, op, cluster, min_dim, causal_kv)
+    eff = compute_efficiency(flops / k, op, cluster, min_dim, keys)
     return (
         max(
             flops / (device.peak_flops_for(dtype) * eff),
@@ -387,7 +390,7 @@ def node_time(node: Node, cluster: Cluster, *, fraction: float = 1.0) -> float:
         node_dtype(node),
         cluster,
         op=op_class(node),
-        causal_kv=causal_kv(node),
+        keys=attention_keys(node),
     )
 
 

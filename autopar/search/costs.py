@@ -145,7 +145,7 @@ class CostContext(EdgeMatrices, EdgeCollectives):
         self._byte_parts: dict[fx.Node, tuple | None] = {}  # `local_bytes`' table
         self._spec_shards: dict[int, int] = {}  # by `_spec_number`
         self._matmul_dims: dict[fx.Node, tuple | None] = {}
-        self._causal_kvs: dict[fx.Node, float | None] = {}
+        self._keys: dict[fx.Node, tuple | None] = {}
         EdgeMatrices.__init__(self)
 
     # ---- graph helpers -------------------------------------------------------------------
@@ -176,7 +176,7 @@ class CostContext(EdgeMatrices, EdgeCollectives):
             op=compute.op_class(n),
             kernels=compute.training_kernels(n),
             min_dim=self._min_dim(n, s),
-            causal_kv=self._causal_kv(n),
+            keys=self._attention_keys(n),
         )
         t += REGION_EXCHANGES * self._region_exchange(n, s)
         ring = attention.ring_axis(n, s)
@@ -202,7 +202,7 @@ class CostContext(EdgeMatrices, EdgeCollectives):
             self.cluster,
             op=compute.op_class(n),
             min_dim=self._min_dim(n, s),
-            causal_kv=self._causal_kv(n),
+            keys=self._attention_keys(n),
         )
         t += REGION_FORWARD_EXCHANGES * self._region_exchange(n, s)
         ring = attention.ring_axis(n, s)
@@ -251,10 +251,10 @@ class CostContext(EdgeMatrices, EdgeCollectives):
                 total += nbytes / self._shards(spec) if nbytes else 0.0
         return total
 
-    def _causal_kv(self, n: fx.Node) -> float | None:  # `compute.causal_kv`, once per node
-        if n not in self._causal_kvs:
-            self._causal_kvs[n] = compute.causal_kv(n)
-        return self._causal_kvs[n]
+    def _attention_keys(self, n: fx.Node) -> tuple | None:  # `compute.attention_keys`, once
+        if n not in self._keys:
+            self._keys[n] = compute.attention_keys(n)
+        return self._keys[n]
 
     def _min_dim(self, n: fx.Node, s: NodeStrategy) -> float | None:
         """A plain matmul's smallest local dimension under `s` (`compute.matmul_dims`)."""
