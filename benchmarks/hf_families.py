@@ -1,6 +1,6 @@
 """Hugging Face model families through autopar: parity on local ranks, and planning at scale.
 
-    python benchmarks/hf_families.py parity [--families llama,bert] [--runs dptp,fsdp,pp]
+    python benchmarks/hf_families.py parity [--families llama,bert] [--runs dptp,fsdp,pp-tp]
                                             [--mixed-precision bf16] [--zero] [--csv ...]
     python benchmarks/hf_families.py plan [--families llama,t5] [--nodes 2] [--csv ...]
 
@@ -38,6 +38,7 @@ ENCODERS = ("bert", "roberta", "distilbert")
 RUNS = {  # name -> (mesh, axis names, strategy, pipeline schedule)
     "dptp": ((2, 2), ("dp", "tp"), ("dp", "tp"), None),
     "fsdp": ((4,), ("dp",), "fsdp", None),
+    "fsdp-tp": ((2, 2), ("dp", "tp"), ("fsdp", "tp"), None),
     "auto": ((2, 2), ("dp", "tp"), "auto", None),
     "pp-tp": ((2, 2), ("pp", "tp"), "tp", "1f1b"),
     "pp-dp": ((2, 2), ("pp", "dp"), "dp", "gpipe"),
