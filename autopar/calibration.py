@@ -37,8 +37,9 @@ next; timed as loops they agree within ~15%):
 * fused attention (``scaled_dot_product_attention``, 4 heads of 64) at twice the largest
   matmul side, and at an eighth of it with 8 times the batch: the two rates over the
   matmul peak fit ``attention_efficiency`` and ``attention_half_seq`` (``rate = eff *
-  peak * kv / (kv + half)`` in the key length ``kv``); the long one again under a causal mask: its share of the unmasked time
-  gives the kernel's key tile, ``attention_block`` (``compute.causal_share``);
+  peak * kv / (kv + half)`` in the key length ``kv``); the long one again under a causal
+  mask: its share of the unmasked time gives the kernel's key tile, ``attention_block``
+  (``compute.causal_share``);
 * ``overlap_efficiency``: a loop of matmuls and an all-reduce over every rank, each alone
   and then at once (the all-reduce issued without waiting, as gradient buckets are): the
   share of the shorter one the other hides (``overlap_efficiency``; 1 where the file has no
@@ -164,7 +165,7 @@ def calibration_age_hours(path: str | os.PathLike) -> float | None:
     return (datetime.now(timezone.utc) - datetime.fromisoformat(taken)).total_seconds() / 3600
 
 
-# ------------------------------------------------------------------------------ fitting
+# ------------------------------------------------------------------------------ workers
 class _Progress:
     def __init__(self, total: int, enabled: bool) -> None:
         self.total, self.done, self.enabled = total, 0, enabled
@@ -214,25 +215,37 @@ def _timed(fn: Callable[[], Any], device: str, reps: int, group=None) -> float:
     as in training (one call of a few milliseconds may run while another rank waits for a
     core: where processes share cores one call measured up to twice the rate a training
     step gets, and one collective of a few KiB anywhere from 0.5 to 11 ms)."""
-    fn()  # warm-up (a collective's first call may set up its connections)
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    calls = _calls_lasting(time.perf_counter() - t0, device)
-    times = []
-    for _ in range(reps):
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
+    return _timed_in_turns([fn], device, reps, group)[0]
+
+
+def _timed_in_turns(
+    fns: list[Callable[[], Any]], device: str, reps: int, group=None
+) -> list[float]:
+    """`_timed` of several calls in turns, one repetition of each per round: a slower
+    spell of a shared machine falls on all of them alike, so their ratios (what the
+    attention's fit reads) hold where times taken one after the other did not (two
+    calibrations minutes apart fitted a key tile of 637 and 228 tokens)."""
+    calls = []
+    for fn in fns:
+        fn()  # warm-up (a collective's first call may set up its connections)
         _sync(device)
-        times.append((time.perf_counter() - t0) / calls)
-    t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
-    dist.all_reduce(
-        t, op=dist.ReduceOp.MAX if group is not None else dist.ReduceOp.SUM, group=group
-    )
-    return float(t.item()) / (1 if group is not None else dist.get_world_size())
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        calls.append(_calls_lasting(time.perf_counter() - t0, device))
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, n, own in zip(fns, calls, times, strict=True):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            _sync(device)
+            own.append((time.perf_counter() - t0) / n)
+    t = torch.tensor([statistics.median(own) for own in times], dtype=torch.float64, device=device)
+    slowest = group is not None
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if slowest else dist.ReduceOp.SUM, group=group)
+    return [float(x) / (1 if slowest else dist.get_world_size()) for x in t.tolist()]
 
 
 def _calls_lasting(one_call_s: float, device: str) -> int:
@@ -346,33 +359,6 @@ def _attention(device: str, cfg: dict[str, Any], reps: int) -> dict[str, Any]:
         "attention_causal_share": causal / full,
         "attention_small": (flops[2], short),
     }
-
-
-def _timed_in_turns(fns: list[Callable[[], Any]], device: str, reps: int) -> list[float]:
-    """`_timed` of several calls in turns, one repetition of each per round: a slower
-    spell of a shared machine falls on all of them alike, so their ratios (what the
-    attention's fit reads) hold where times taken one after the other did not (two
-    calibrations minutes apart fitted a key tile of 637 and 228 tokens)."""
-    calls = []
-    for fn in fns:
-        fn()  # warm-up
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        calls.append(_calls_lasting(time.perf_counter() - t0, device))
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(reps):
-        for fn, n, own in zip(fns, calls, times, strict=True):
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            _sync(device)
-            own.append((time.perf_counter() - t0) / n)
-    t = torch.tensor([statistics.median(own) for own in times], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return [float(x) / dist.get_world_size() for x in t.tolist()]
 
 
 def _measure_axis(device: str, dmesh, name: str, cfg: dict[str, Any], bar: _Progress) -> list:
