@@ -36,10 +36,11 @@ rate, ``d_half`` ~19), fused attention runs at
 whatever its batch and heads: the rate follows the sequence, not the FLOPs) and, under a
 causal mask, ``1 / (2 * causal_share)``: the kernel skips only the key tiles
 (``attention_block`` tokens) wholly above the diagonal, so it runs ``causal_share`` of the
-unmasked work for the half of it counted, and memory-bound ops (``"memory"``: everything else, whose
-arithmetic intensity puts them on the bandwidth side; their FLOP side stays at peak) stream
-at ``memory_efficiency`` of the HBM bandwidth, as every class's bytes do. The figures live on ``DeviceSpec`` (presets: published measurements;
-``autopar calibrate``: this machine's). All efficiencies are in (0, 1].
+unmasked work for the half of it counted; memory-bound ops (``"memory"``: everything
+else, whose arithmetic intensity puts them on the bandwidth side; their FLOP side stays at
+peak) stream at ``memory_efficiency`` of the HBM bandwidth, as every class's bytes do. The
+figures live on ``DeviceSpec`` (presets: published measurements; ``autopar calibrate``:
+this machine's). All efficiencies are in (0, 1].
 ``backward_factor``: backward FLOPs / forward FLOPs: 2 for matmuls and convolutions (grad of
 input and of weight), 2.5 for attention (flash backward recomputes ``QK^T``: 5 matmuls vs 2),
 1 otherwise. ``backward_bytes_factor``: backward bytes / forward bytes: 2 for matmuls (each
