@@ -189,30 +189,36 @@ def test_the_tied_gradients_sum_over_pp_is_priced() -> None:
     from autopar.cost_models.comm import Collective, collective_time
     from autopar.cost_models.reshard import launch, rearrange_seconds
     from autopar.search.layer_costs import layer_costs
+    from autopar.search.shared_params import POST, PRE
     from tests.test_pipeline import _solved_gpt_pipeline, _synthetic
 
     model, _, captured, (result, _, _) = _solved_gpt_pipeline("dp", "dp")
     whole = model.wte.weight.numel() * 4
-    assert layer_costs(captured, result).tied == (whole, whole, 0.0)  # dp: whole, no gather
+    (wte,) = layer_costs(captured, result).shared
+    assert (wte.name, wte.readers, wte.home) == ("wte.weight", {PRE, POST}, PRE)
+    assert (wte.local, wte.whole, wte.gather) == (whole, whole, 0.0)  # dp: whole, no gather
     model, job, captured, (result, _, _) = _solved_gpt_pipeline("tp", "tp")
-    local, whole, gather = layer_costs(captured, result).tied  # tp: split over 2 devices
-    assert (local, whole) == (whole / 2, model.wte.weight.numel() * 4)
+    (wte,) = layer_costs(captured, result).shared  # tp: split over 2 devices
+    assert (wte.local, wte.whole) == (whole / 2, model.wte.weight.numel() * 4)
     sub = stage_cluster(job.cluster)  # its gradient gathered whole over tp: one all-gather
     gathered = collective_time(Collective.ALL_GATHER, whole, 0, sub)
-    (wte,) = [n for n in captured.placeholders() if captured.params.get(n.name) == "wte.weight"]
-    spec = tuple(result.chosen[wte].outputs[0])  # and DTensor's copies around it, if any
+    (node,) = [n for n in captured.placeholders() if captured.params.get(n.name) == "wte.weight"]
+    spec = tuple(result.chosen[node].outputs[0])  # and DTensor's copies around it, if any
     copies = rearrange_seconds(sub, spec, (Replicate(),), tuple(model.wte.weight.shape), 4)
-    assert gather == pytest.approx(gathered + launch(Collective.ALL_GATHER, 0, sub) + copies)
+    assert wte.gather == pytest.approx(gathered + launch(Collective.ALL_GATHER, 0, sub) + copies)
 
     costs, cluster, _ = _synthetic([], layer_forward=1e-3)
     mib = float(2**20)
-    tied = replace(costs, tied=(mib, 4 * mib, 2e-3))
+    tied = replace(
+        costs, shared=(_shared({PRE, POST}, PRE, local=mib, whole=4 * mib, gather=2e-3),)
+    )
     ar = [collective_time(Collective.ALL_REDUCE, b, 0, cluster) for b in (mib, 4 * mib)]
     base = price_schedule(costs, "1f1b", 2, 4, cluster).step_time
     assert price_schedule(tied, "1f1b", 2, 4, cluster).step_time == pytest.approx(base + ar[0])
     # ranks of two shapes: each gathers its whole gradient on its stage mesh (the slower
     # waited), then the whole tensors' all-reduce
-    other = replace(_slower(tied, 1.0), tied=(2 * mib, 4 * mib, 5e-3))
+    wider = _shared({PRE, POST}, PRE, local=2 * mib, whole=4 * mib, gather=5e-3)
+    other = replace(_slower(tied, 1.0), shared=(wider,))
     mixed = price_schedule((tied, other), "1f1b", 2, 4, cluster)
     assert mixed.step_time == pytest.approx(
         price_schedule((costs, _slower(costs, 1.0)), "1f1b", 2, 4, cluster).step_time + 5e-3 + ar[1]
@@ -221,6 +227,52 @@ def test_the_tied_gradients_sum_over_pp_is_priced() -> None:
     assert price_schedule(tied, "gpipe", 1, 4, one, cuts=(0,)).step_time == pytest.approx(
         price_schedule(costs, "gpipe", 1, 4, one, cuts=(0,)).step_time
     )
+
+
+def _shared(readers, home, *, state=0.0, update=0.0, local=0.0, whole=0.0, gather=0.0):
+    from autopar.search.shared_params import SharedParam
+
+    return SharedParam("emb", frozenset(readers), home, state, update, local, whole, gather)
+
+
+def test_a_shared_parameter_is_held_by_every_stage_that_reads_it() -> None:
+    """An encoder-decoder's embedding is read before the first layer, where the decoder
+    starts (a middle stage under 4) and by the head: every stage reading it holds a copy
+    with its gradient and optimizer states (`passes.stages`), the stage of its first reader
+    counting it already; its gradients' sum over pp runs where two stages hold it."""
+    from autopar.cost_models.comm import Collective, collective_time
+    from autopar.search.layer_costs import layer_costs, stage_parts
+    from autopar.search.shared_params import POST, PRE, stage_copies
+    from samples import encdec
+    from tests.test_pipeline import _solved_gpt_pipeline, _synthetic
+
+    model = encdec.build("tiny", device="meta")
+    batch = encdec.example_batch(model, 8, device="meta")
+    _, _, captured, (result, _, _) = _solved_gpt_pipeline("dp", "dp", model, batch)
+    lc = layer_costs(captured, result)
+    (emb,) = lc.shared
+    first_decoder = next(name for name in lc.layers if "dec" in name)
+    assert emb.readers == {PRE, first_decoder, POST} and emb.home == PRE
+    assert emb.state > 0 and emb.update > 0
+    # 4 stages of one layer each: the decoder's first (stage 2) and the head's (stage 3)
+    # hold a copy beyond their parts' count
+    assert stage_copies((lc,) * 4, (0, 1, 2, 3)) == [
+        (0, 0), (0, 0), (emb.state, emb.update), (emb.state, emb.update)
+    ]  # fmt: skip
+
+    costs, cluster, _ = _synthetic([], layer_forward=1e-3)
+    mib = float(2**20)
+    middle = _shared({"layers.2"}, "layers.2", state=mib)  # one stage reads it: no sum
+    pair = _shared({PRE, "layers.2"}, PRE, state=4 * mib, update=1e-3, local=mib)
+    plain = price_schedule(costs, "1f1b", 2, 4, cluster, cuts=(0, 2))
+    alone = price_schedule(replace(costs, shared=(middle,)), "1f1b", 2, 4, cluster, cuts=(0, 2))
+    assert (alone.peak_memory, alone.step_time) == (plain.peak_memory, plain.step_time)
+    held = price_schedule(replace(costs, shared=(pair,)), "1f1b", 2, 4, cluster, cuts=(0, 2))
+    stages = stage_parts(costs, (0, 2))
+    last = stages[1].state + 4 * mib + stages[1].act * plain.timeline.in_flight[1]
+    assert held.peak_memory == pytest.approx(max(plain.peak_memory, last))
+    ar = collective_time(Collective.ALL_REDUCE, mib, 0, cluster)
+    assert held.step_time == pytest.approx(plain.step_time + ar + 1e-3)
 
 
 def test_when_no_schedule_fits_the_stage_ilps_are_solved_again_under_less() -> None:

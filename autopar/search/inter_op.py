@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.capture import Captured
 from autopar.cluster import Cluster
 from autopar.cost_models.buckets import Grad, fused_copies, fused_time
-from autopar.cost_models.comm import Collective, collective_time, send_recv_time
+from autopar.cost_models.comm import Collective, send_recv_time
 from autopar.plan import (
     DEFAULT_COMM,
     SCHEDULES,
@@ -69,6 +69,7 @@ from autopar.search.schedules import (
     simulate,
     synced_end,
 )
+from autopar.search.shared_params import shared_sum_seconds, stage_copies
 from autopar.search.stage_cuts import balanced_cuts
 from autopar.search.step import (
     zero_gathers,
@@ -211,38 +212,25 @@ def _simulated(
         ready=ready,
     )
     peak, synced, updates = [], [], []
+    shared = stage_copies(costs, cuts)  # shared parameters' copies beyond the parts' count
     for r in range(pp):
         own = [s for s in range(num) if ranks[s] == r]
         mine = [stages[s] for s in own]
-        peak.append(sum(p.state for p in mine) + max(p.act for p in mine) * tl.in_flight[r])
+        held = sum(p.state for p in mine) + sum(shared[s][0] for s in own)
+        peak.append(held + max(p.act for p in mine) * tl.in_flight[r])
         syncs = [fused_time(grads[s], subs[s]) for s in own]
         overlap = subs[own[0]].device.overlap_efficiency
         done = synced_end(tl.ends[r], [tl.grads_done[s] for s in own], syncs, overlap)
         # the flat buffers' copies
         copies = sum(fused_copies(grads[s], subs[s], back=costs[s].cast_back) for s in own)
         synced.append(done + copies)
-        updates.append(sum(p.update for p in mine))  # then its optimizer step
+        updates.append(sum(p.update for p in mine) + sum(shared[s][1] for s in own))
     step = max(s + u for s, u in zip(synced, updates, strict=True))
-    tied = _tied_sum(costs, num, cluster)
-    if tied:  # every rank joins the tied gradients' sum over pp, then steps
+    tied = shared_sum_seconds(costs, cuts, ranks, cluster)
+    if tied:  # every rank joins the shared gradients' sums over pp, then steps
         step = max(synced) + tied + max(updates)
     sync = step - tl.step_time
     return PricedSchedule(schedule, cuts, tl, max(peak), step, tuple(times), sync, boundary)
-
-
-def _tied_sum(costs, num: int, cluster: Cluster) -> float:
-    """Seconds of the all-reduce over pp that sums the tied parameters' gradients after
-    the schedule (`LayerCosts.tied`: local shards; where the ranks' stage meshes differ,
-    whole tensors, each holding rank first gathering its own on its stage mesh), where the
-    stages are more than one."""
-    local, whole, first_gather = costs[0].tied
-    if num < 2 or not local:
-        return 0.0
-    axis = cluster.axis_names.index("pp")
-    if len({id(c) for c in costs}) == 1:
-        return collective_time(Collective.ALL_REDUCE, local, axis, cluster)
-    gathered = max(first_gather, costs[-1].tied[2])  # the first and last stages hold them
-    return gathered + collective_time(Collective.ALL_REDUCE, whole, axis, cluster)
 
 
 def _gathered(grads: list[list[Grad]], ranks: list[int], ratios: list[float], subs) -> list[float]:

@@ -16,19 +16,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from itertools import groupby
 
-from torch.distributed.tensor import Replicate
-
 from autopar.capture import Captured
 from autopar.capture.analysis import batch_dependent, layer_order, layer_parts
 from autopar.cluster import Cluster
 from autopar.cost_models.buckets import Grad, collective_times
 from autopar.cost_models.comm import Collective
-from autopar.cost_models.memory import local_numel
-from autopar.cost_models.reshard import reshard_seconds
 from autopar.plan import CommPlan
 from autopar.search.crossing import Crossing, crossings
 from autopar.search.intra_op import IntraOpResult
 from autopar.search.schedules import weight_gradient_work
+from autopar.search.shared_params import SharedParam, shared_params
 from autopar.search.stage_cuts import range_prices
 from autopar.search.step import (
     Part,
@@ -90,11 +87,9 @@ class LayerCosts:
     # cast back into them (`runtime.stage_grads`; else they are the buffer's slices)
     cast_back: bool = False
     stage: Cluster | None = None  # the stage mesh priced on (None: the pipeline's stage mesh)
-    # the parameters read before the first layer and after the last (an embedding tied to
-    # the head): (local bytes, whole bytes, seconds of gathering them whole on this stage
-    # mesh); their gradients are summed over pp after the schedule
-    # (`runtime.pipeline_model._sync_tied_grads`; gathered whole across stage mesh shapes)
-    tied: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    # the parameters more than one part reads (`search.shared_params`): every stage reading
+    # one holds a copy; their gradients are summed over pp after the schedule
+    shared: tuple[SharedParam, ...] = ()
 
     @property
     def time(self) -> list[float]:
@@ -107,14 +102,18 @@ class LayerCosts:
         `layers.3`); they are identical."""
         if all(weights.get(name, 1.0) <= 1.0 for name in self.layers):
             return self
-        layers, parts, cuts = [], [], []
+        layers, parts, cuts, expanded = [], [], [], {}
         for name, part, cut in zip(self.layers, self.parts, self.crossings, strict=True):
             prefix, _, index = name.rpartition(".")
             copies = round(weights.get(name, 1.0))
-            layers += [name, *(f"{prefix}.{int(index) + k}" for k in range(1, copies))]
+            expanded[name] = (name, *(f"{prefix}.{int(index) + k}" for k in range(1, copies)))
+            layers += expanded[name]
             parts += [part] * copies
             cuts += [cut] * copies  # a cut before block k > 1 carries what one before 1 does
-        return replace(self, layers=tuple(layers), parts=tuple(parts), crossings=tuple(cuts))
+        shared = tuple(p.expanded(expanded) for p in self.shared)
+        return replace(
+            self, layers=tuple(layers), parts=tuple(parts), crossings=tuple(cuts), shared=shared
+        )
 
 
 def layer_costs(captured: Captured, result: IntraOpResult) -> LayerCosts:
@@ -159,40 +158,8 @@ def layer_costs(captured: Captured, result: IntraOpResult) -> LayerCosts:
         zero,
         cast_back,
         result.ctx.cluster,
-        tied_bytes(captured, result, cast if cast and not zero else None),
+        shared_params(captured, result, cast if cast and not zero else None),
     )
-
-
-def tied_bytes(captured: Captured, result: IntraOpResult, itemsize: int | None) -> tuple:
-    """(local bytes, whole bytes, seconds of their redistribution to whole on the stage
-    mesh) of the parameters both the part before the first layer and the part after the
-    last read (through weight-only nodes): a pipeline's first and last stages each hold
-    them. `itemsize`: the gradients' (None: the parameters')."""
-    batch, part_of = batch_dependent(captured), layer_parts(captured)
-    where = {
-        n: part_of[n] for n in captured.gm.graph.nodes if n.op == "call_function" and n in batch
-    }
-    ends = {0, len(layer_order(captured)) + 1}  # before the first layer, after the last
-    local = whole = gather = 0.0
-    for p in captured.placeholders():
-        if p.name not in captured.params or p not in result.chosen:
-            continue
-        parts, frontier = set(), [p]
-        while frontier:
-            for user in frontier.pop().users:
-                if user in where:
-                    parts.add(where[user])
-                elif user.op == "call_function":
-                    frontier.append(user)
-        if ends <= parts:
-            val = p.meta["val"]
-            size = itemsize or val.element_size()
-            spec = result.chosen[p].outputs[0]
-            local += local_numel(tuple(val.shape), spec, result.ctx.mesh_shape) * size
-            whole += val.numel() * size
-            everywhere = (Replicate(),) * len(spec)
-            gather += reshard_seconds(result.ctx.cluster, tuple(spec), everywhere, val.shape, size)
-    return local, whole, gather
 
 
 def _grads(result: IntraOpResult, n, pos: int, op) -> list[Grad]:
