@@ -444,8 +444,9 @@ class Plan:
 
     # ---- serialization ---------------------------------------------------------------
     def to_dict(self) -> dict:
-        data = self._fields()
-        data["content_hash"] = self.content_hash
+        data = self._fields()  # asdict once, hashed before the hash joins it
+        body = json.dumps(data, sort_keys=True, default=str)
+        data["content_hash"] = hashlib.sha256(body.encode()).hexdigest()[:16]
         return data
 
     def _fields(self) -> dict:
@@ -513,8 +514,7 @@ class Plan:
 
     @property
     def content_hash(self) -> str:
-        body = json.dumps(self._fields(), sort_keys=True, default=str)
-        return hashlib.sha256(body.encode()).hexdigest()[:16]
+        return self.to_dict()["content_hash"]
 
     def with_solver(self, **info) -> Plan:
         return replace(self, solver={**self.solver, **info})
