@@ -23,8 +23,13 @@ A step is forward + backward + optimizer step, synchronised by `float(loss)`; it
 the slowest rank's. A family's implementations train in rounds, one step of each per round
 (`run_family`), so that the machine's load falls on both alike; the table shows the median
 over `--steps` after `--warmup`, the ratio
-torch / autopar (speed: > 1 means autopar is faster) and autopar's predicted step time
-(`plan.predicted_step_time`). The losses of each pair must agree at every step (`--tol`,
+torch / autopar (speed: > 1 means autopar is faster), the CPU seconds a step takes on all
+ranks together (each rank's median `time.process_time()` over its steps, its collective
+threads' included, summed) and their ratio torch / autopar, and autopar's predicted step
+time (`plan.predicted_step_time`). Where processes share cores (4 ranks on a 2-core box) a
+step is CPU bound and the ranks' scheduling moves its wall time by several %; the CPU
+column is the one to compare there (2026-11-30: dp 0.96-0.98x DDP in wall time, 0.99x
+in CPU). The losses of each pair must agree at every step (`--tol`,
 relative): the bench exits 1 when a run diverges.
 
 `--cluster FILE` plans autopar's runs on a calibrated cluster (`autopar calibrate`: gloo's
@@ -219,7 +224,7 @@ def _global_loss(family: str, impl: str, loss: torch.Tensor) -> torch.Tensor:
 def prepare(family: str, impl: str, args, rank: int):
     """(row, forward-backward, optimizer step) of one implementation of a family."""
     model, batch = load_model(args.sample, args.config, args.batch, seed=0)
-    out: dict = {"family": family, "impl": impl, "ms": [], "losses": []}
+    out: dict = {"family": family, "impl": impl, "ms": [], "cpu": [], "losses": []}
     if impl.startswith("autopar"):
         pm, fwd_bwd, opt_step = autopar_runner(
             family, model, batch, impl == "autopar", args.cluster
@@ -248,18 +253,22 @@ def run_family(family: str, impls: tuple[str, ...], args, rank: int) -> list[dic
     for i in range(args.warmup + args.steps):
         for out, fwd_bwd, opt_step in runs:
             dist.barrier()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             loss = fwd_bwd()
             opt_step()
             float(loss.detach())  # synchronise (a no-op on CPU, a device sync on GPU)
-            dt = time.perf_counter() - t0
+            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
             out["losses"].append(float(_global_loss(family, out["impl"], loss)))
             if i >= args.warmup:
                 out["ms"].append(dt)
+                out["cpu"].append(cpu)
     for out, fwd_bwd, opt_step in runs:
         slowest = torch.tensor(out["ms"], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         out["ms"] = [1e3 * t for t in slowest.tolist()]
+        cpu = torch.tensor([statistics.median(out["cpu"])], dtype=torch.float64)
+        dist.all_reduce(cpu)  # every rank's (its threads' too): what the machine spent
+        out["cpu_ms"] = 1e3 * cpu.item()
         if args.profile:
             out["profile"] = profile_steps(args.profile, fwd_bwd, opt_step, rank)
     dist.barrier()
@@ -354,6 +363,7 @@ def check_losses(results: list[dict], tol: float) -> list[str]:
 
 def rows_of(results: list[dict], args) -> list[dict]:
     med = {(r["family"], r["impl"]): statistics.median(r["ms"]) for r in results}
+    cpu = {(r["family"], r["impl"]): r["cpu_ms"] for r in results}
     rows = []
     for r in results:
         fam, impl = r["family"], r["impl"]
@@ -364,6 +374,10 @@ def rows_of(results: list[dict], args) -> list[dict]:
                 "ms_median": round(med[(fam, impl)], 2),
                 "ms_min": round(min(r["ms"]), 2),
                 "speed_vs_torch": round(med[(fam, "torch")] / med[(fam, impl)], 3)
+                if impl.startswith("autopar")
+                else "",
+                "cpu_ms": round(r["cpu_ms"], 1),
+                "cpu_vs_torch": round(cpu[(fam, "torch")] / r["cpu_ms"], 3)
                 if impl.startswith("autopar")
                 else "",
                 "predicted_ms": round(r["predicted_ms"], 2) if "predicted_ms" in r else "",
@@ -378,13 +392,16 @@ def rows_of(results: list[dict], args) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'family':6s} {'impl':8s} {'ms/step':>9s} {'min':>9s} {'torch/ap':>9s} "
-          f"{'predicted':>10s} {'loss0':>9s} {'lossN':>9s}")  # fmt: skip
+          f"{'cpu ms':>8s} {'cpu t/ap':>9s} {'predicted':>10s} {'loss0':>9s} "
+          f"{'lossN':>9s}")  # fmt: skip
     for r in rows:
         ratio = f"{r['speed_vs_torch']:.2f}x" if r["speed_vs_torch"] != "" else ""
+        cpu = f"{r['cpu_vs_torch']:.2f}x" if r["cpu_vs_torch"] != "" else ""
         pred = f"{r['predicted_ms']:.1f}" if r["predicted_ms"] != "" else ""
         print(
             f"{r['family']:6s} {r['impl']:8s} {r['ms_median']:9.1f} {r['ms_min']:9.1f} "
-            f"{ratio:>9s} {pred:>10s} {r['loss_first']:9.4f} {r['loss_last']:9.4f}"
+            f"{ratio:>9s} {r['cpu_ms']:8.1f} {cpu:>9s} {pred:>10s} {r['loss_first']:9.4f} "
+            f"{r['loss_last']:9.4f}"
         )
 
 
