@@ -31,8 +31,9 @@ wins; none is priced when the stages' work alone reaches the layout search's bes
 none fits, the ILP is solved again (twice at most) under a budget shrunk by limit / least
 peak, so that it turns to its memory levers (recompute, reshard after forward) or shards
 more. A rank's memory counts the weights its layers keep gathered until backward
-(`IntraOpResult.held_weights`); the one-layer working sets of recompute and regathering
-are in the ILP's memory, not in a rank's peak.
+(`IntraOpResult.held_weights`) and a copy of each parameter its stages share with others
+(`search.shared_params`, their gradients summed over pp after the schedule); the one-layer
+working sets of recompute and regathering are in the ILP's memory, not in a rank's peak.
 """
 
 from __future__ import annotations
