@@ -18,7 +18,7 @@ part, its first reader's), and `shared_sum_seconds` the all-reduces after the sc
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch.distributed.tensor import Replicate
 
@@ -48,10 +48,7 @@ class SharedParam:
     def expanded(self, copies: dict[str, tuple[str, ...]]) -> SharedParam:
         """Read by every copy of a repeated layer it reads (`LayerCosts.repeated`)."""
         readers = frozenset(c for r in self.readers for c in copies.get(r, (r,)))
-        return SharedParam(self.name, readers, self.home, *self._figures())
-
-    def _figures(self) -> tuple[float, ...]:
-        return self.state, self.update, self.local, self.whole, self.gather
+        return replace(self, readers=readers)
 
 
 def shared_params(captured: Captured, result, itemsize: int | None) -> tuple[SharedParam, ...]:
@@ -112,6 +109,8 @@ def stage_copies(costs: Sequence, cuts: Sequence[int]) -> list[tuple[float, floa
     """Per stage (`costs[s]`: stage s's `LayerCosts`): (bytes, update seconds) of the shared
     parameters it reads whose state its parts do not count (their first reader is another
     stage's): each holding stage keeps its own copy."""
+    if not costs[0].shared:  # most models: no stage's names made (a schedule's hot path)
+        return [(0.0, 0.0)] * len(cuts)
     parts = stage_part_names(costs[0].layers, cuts)
     out = []
     for s, names in enumerate(parts):
@@ -127,9 +126,9 @@ def shared_sum_seconds(
     the schedule (stage s on pipeline rank `ranks[s]`): one per parameter that more than
     one stage holds, of its local shard; where the ranks' stage meshes differ, of the whole
     gradient, after each holding rank has gathered its copies' (the slowest waited)."""
-    parts = stage_part_names(costs[0].layers, cuts)
-    if len(parts) < 2:
+    if not costs[0].shared or len(cuts) < 2:
         return 0.0
+    parts = stage_part_names(costs[0].layers, cuts)
     axis = cluster.axis_names.index("pp")
     uniform = len({id(c) for c in costs}) == 1
     total = 0.0
