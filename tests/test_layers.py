@@ -47,6 +47,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autopar.passes.comm",
         "autopar.passes.comm_buckets",
         "autopar.passes.shape_reads",
+        "autopar.passes.loss_weight",
         "autopar.passes.in_place",
         "autopar.passes.fusion",
         "autopar.passes.stages",

@@ -120,8 +120,10 @@ def test_rewrite_buckets_and_overlaps(fake_group) -> None:
     _check_schedule(gm, lowered)
     # the scheduling keeps the collectives' issue order as bucketing left it (peers whose
     # programs differ, uneven shards, issue them alike)
+    # (but the loss's count, issued first: `passes.loss_weight`)
     traced = [n.name for n in _starts(_program("fsdp", CommOptions(overlap=False)))]
-    assert [n.name for n in starts] == traced
+    assert _counts_targets(starts[0])
+    assert [n.name for n in starts[1:]] == [n for n in traced if n != starts[0].name]
 
 
 def test_gathers_prefetch_one_layer_and_regathers_stay(fake_group) -> None:
@@ -149,6 +151,54 @@ def test_gathers_prefetch_one_layer_and_regathers_stay(fake_group) -> None:
     # result is first read by that block's backward
     loss_grad = min(pos[n] for n in nodes if is_backward(n))
     assert all(pos[g] > loss_grad for g in backward)
+
+
+def test_the_loss_count_is_all_reduced_at_the_programs_start(fake_group) -> None:
+    # dp's mean loss divides by the targets counted on every rank: as lowered, their
+    # all-reduce follows the forward and is waited at the backward's first op (a sync
+    # every step); the pass counts the targets at the start and issues it there, first
+    aten = torch.ops.aten
+    for strategy in ("dp", "fsdp"):
+        traced, gm = _program(strategy, OFF), _program(strategy, CommOptions())
+        nodes = list(gm.graph.nodes)
+        loss = next(n for n in nodes if n.target is aten.nll_loss_forward.default)
+        count = _starts(gm)[0]  # the first collective issued
+        assert count.args[1] == "sum"
+        cast = count.args[0]
+        assert cast.target is aten._to_copy.default and cast.kwargs["dtype"] == torch.float32
+        valid = cast.args[0].args[0]
+        assert valid.target is aten.ne.Scalar and valid.args[1] == loss.args[4]
+        assert all(n.op == "placeholder" or n.target in VIEWS for n in _upstream(valid))
+        assert nodes.index(count) < min(
+            nodes.index(n) for n in nodes if n.target is aten.mm.default
+        )
+        backward = next(n for n in nodes if n.target is aten.nll_loss_backward.default)
+        assert next(iter(count.users)) in backward.args  # waited where the count is read
+        # as lowered: it reads the loss's own count, after the forward (fsdp: after the
+        # parameter gathers)
+        plain = list(traced.graph.nodes)
+        traced_loss = next(n for n in plain if n.target is aten.nll_loss_forward.default)
+        (late,) = [c for c in _starts(traced) if c.args[0].args == (traced_loss, 1)]
+        assert plain.index(late) > plain.index(traced_loss)
+        assert _starts(traced).index(late) > 0 if strategy == "fsdp" else True
+
+
+def _counts_targets(c) -> bool:
+    """`c` all-reduces a count of targets (`passes.loss_weight`)."""
+    cast = c.args[0]
+    return cast.target is torch.ops.aten._to_copy.default and (
+        cast.args[0].args[0].target is torch.ops.aten.ne.Scalar
+    )
+
+
+def _upstream(node) -> set:
+    seen, todo = set(), [*node.all_input_nodes]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo += n.all_input_nodes
+    return seen
 
 
 def test_tp_input_gradient_all_reduces_overlap_the_weight_gradient(fake_group) -> None:
@@ -192,6 +242,9 @@ def _check_schedule(gm, lowered) -> None:
             copy_in.add(n)
     for c in _starts(gm):
         wait = next(iter(c.users))
+        if _counts_targets(c):  # the loss's count: at the start (`passes.loss_weight`)
+            assert all(n.op == "placeholder" or n in _upstream(c) for n in nodes[: pos[c]])
+            continue
         last = max(pos[a] for a in c.all_input_nodes)
         between = nodes[last + 1 : pos[c]]
         if not _reduces_gradient(wait) and not _prefetched(c, nodes, copy_in):

@@ -62,7 +62,10 @@ even or uneven:
    backward (re-)gathers, recomputed nodes and every other collective (the forward's
    activation collectives, the loss's, backward ones that allocate) stay where the
    lowered program (`passes.recompute` included) has them, so no buffer lives longer
-   than priced. Communication then overlaps compute wherever the
+   than priced. Before that, a mean loss's count of targets (a scalar the backward's
+   first op reads) is counted from the targets and all-reduced at the program's start,
+   the first collective issued (`passes.loss_weight`: as traced, every rank waited there
+   for the slowest one's forward). Communication then overlaps compute wherever the
    backend runs collectives asynchronously (gloo's worker threads, NCCL's stream).
    Scheduling changes no number (the same ops on the same values, in another order).
 
@@ -105,6 +108,7 @@ from autopar.passes.comm_buckets import (  # noqa: F401 - the pass's vocabulary,
     bucket,
 )
 from autopar.passes.in_place import reduce_in_place, reducible_in_place
+from autopar.passes.loss_weight import hoist_loss_weight
 from autopar.passes.recompute import PHASE, RECOMPUTED, is_backward
 from autopar.passes.shape_reads import WAITS, unchain_shape_reads
 from autopar.plan import CommPlan
@@ -147,6 +151,7 @@ def optimize_comm(
     if options.bucket and before:
         sizes = bucket(gm.graph, options)
     if options.overlap and before:
+        hoist_loss_weight(gm.graph)  # the loss's count all-reduced at the start
         unchain_shape_reads(gm.graph)  # `ones_like(loss)` waits on no loss all-reduce
         _schedule(gm.graph)
     reduce_in_place(gm.graph)  # a fresh bucket is reduced in its own buffer
