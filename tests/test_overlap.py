@@ -174,11 +174,21 @@ def test_the_loss_count_is_all_reduced_at_the_programs_start(fake_group) -> None
         )
         backward = next(n for n in nodes if n.target is aten.nll_loss_backward.default)
         assert next(iter(count.users)) in backward.args  # waited where the count is read
+        # the loss: the ranks' means times their counts, summed, over the summed count
+        # (`global_mean_loss`; DTensor averages the means)
+        (value,) = [c for c in _starts(gm) if c.args[0].target is aten.mul.Tensor]
+        assert value.args[1] == "sum" and value.args[0].args[0].args == (loss, 0)
+        (mean,) = next(iter(value.users)).users
+        assert mean.target is aten.div.Tensor and next(iter(count.users)) is mean.args[1]
         # as lowered: it reads the loss's own count, after the forward (fsdp: after the
         # parameter gathers)
         plain = list(traced.graph.nodes)
         traced_loss = next(n for n in plain if n.target is aten.nll_loss_forward.default)
-        (late,) = [c for c in _starts(traced) if c.args[0].args == (traced_loss, 1)]
+        (late,) = [  # a copy: the count itself is read again (`global_mean_loss`)
+            c
+            for c in _starts(traced)
+            if c.args[0].target is aten.clone.default and c.args[0].args[0].args == (traced_loss, 1)
+        ]
         assert plain.index(late) > plain.index(traced_loss)
         assert _starts(traced).index(late) > 0 if strategy == "fsdp" else True
 
@@ -254,7 +264,8 @@ def _check_schedule(gm, lowered) -> None:
             ref = next(n for n in lowered.graph.nodes if n.name == c.name)
             # (a factory reading only a shape is made as `full`: `passes.shape_reads`)
             traced = {n.name for n in _compute_before(ref) if n.target not in FILLS}
-            assert traced <= before, c.name
+            # (and the count's copy, which counting at the start made dead)
+            assert traced & {n.name for n in nodes} <= before, c.name
             continue
         # a gradient reduction: right after its last input (other collectives issued at the
         # same point aside); a parameter gather: prefetched one ahead, at the previous

@@ -108,7 +108,7 @@ from autopar.passes.comm_buckets import (  # noqa: F401 - the pass's vocabulary,
     bucket,
 )
 from autopar.passes.in_place import reduce_in_place, reducible_in_place
-from autopar.passes.loss_weight import hoist_loss_weight
+from autopar.passes.loss_weight import global_mean_loss, hoist_loss_weight
 from autopar.passes.recompute import PHASE, RECOMPUTED, is_backward
 from autopar.passes.shape_reads import WAITS, unchain_shape_reads
 from autopar.plan import CommPlan
@@ -146,6 +146,7 @@ def optimize_comm(
     if backward:
         for n in gm.graph.nodes:
             n.meta["custom"] = {**(n.meta.get("custom") or {}), PHASE: "backward"}
+    global_mean_loss(gm.graph)  # the batch's mean loss, not the ranks' means' mean
     before = len(_collectives(gm.graph))
     sizes: list[int] = []
     if options.bucket and before:

@@ -1,4 +1,14 @@
-"""The loss's normalizer, counted from the targets and all-reduced at the program's start.
+"""A mean NLL loss over a batch sharded across ranks: its value, and its count of targets.
+
+`global_mean_loss(graph) -> int` (run by `passes.lower` on every lowered program)
+
+DTensor's rule for `nll_loss_forward` on rows sharded across ranks makes each rank's mean a
+`Partial("avg")`: the mean of the ranks' means, which is the batch's mean only where every
+rank counts as many targets. Where it does not (padding, `ignore_index` targets spread
+unevenly over the rows), the loss a step returned was not the single-device loss, though
+its gradients were (the backward divides by the all-reduced count). This rewrites the
+reduction as the batch's mean: each rank's mean times its count (its `total_weight`; a
+class-weighted loss's weight sum), summed over the ranks, divided by the summed count.
 
 `hoist_loss_weight(graph) -> int` (run by `passes.comm.optimize_comm` before scheduling)
 
@@ -65,18 +75,102 @@ def hoist_loss_weight(graph: fx.Graph) -> int:
     return hoisted
 
 
+def global_mean_loss(graph: fx.Graph) -> int:
+    """Every mean NLL loss averaged over ranks made the batch's mean (module doc); returns
+    how many were rewritten. A loss over several mesh axes is averaged over each in turn
+    (one all-reduce per axis, its count summed so too)."""
+    rewritten = 0
+    for loss in [n for n in graph.nodes if n.op == "call_function" and n.target in _LOSSES]:
+        value = _chain(_reduced_output(loss, 0, "avg"), "avg")
+        if loss.args[3] != _MEAN or not value:
+            continue
+        count = _chain(_reduced_output(loss, 1, "sum"), "sum")
+        groups = [r.args[2] for r in value]
+        if not count:  # a pipeline stage's forward: the count is reduced in its backward
+            count = _count_chain(graph, loss, groups)
+        if [r.args[2] for r in count] != groups:
+            continue
+        local = count[0].args[0]
+        if local.target is not aten.clone.default:  # the count is reduced in place: a copy
+            with graph.inserting_before(count[0]):
+                copy = graph.call_function(aten.clone.default, (local,))
+            copy.meta.update(local.meta)
+            count[0].replace_input_with(local, copy)
+        else:
+            local = local.args[0]
+        # the count's reductions (its copy first) issued and waited before the value's
+        moved = [count[0].args[0]] + [n for r in count for n in (r, *r.users)]
+        for n in moved:
+            value[0].prepend(n)
+        mean = value[0].args[0]
+        with graph.inserting_before(value[0]):
+            total = graph.call_function(aten.mul.Tensor, (mean, local))
+        total.meta.update(mean.meta)
+        value[0].update_arg(0, total)
+        for r in value:
+            r.update_arg(1, "sum")
+        (value_wait,), (count_wait,) = value[-1].users, count[-1].users
+        with graph.inserting_after(value_wait):
+            batch_mean = graph.call_function(aten.div.Tensor, (value_wait, count_wait))
+        batch_mean.meta.update(value_wait.meta)
+        for user in [u for u in value_wait.users if u is not batch_mean]:
+            user.replace_input_with(value_wait, batch_mean)
+        rewritten += 1
+    return rewritten
+
+
+def _chain(first: fx.Node | None, op: str) -> list[fx.Node]:
+    """`first` and the all-reduces (`op`) that each read the one before's wait alone."""
+    chain = []
+    r = first
+    while r is not None and len(r.users) == 1:
+        chain.append(r)
+        (wait,) = r.users
+        nxt = list(wait.users)
+        r = nxt[0] if len(nxt) == 1 and nxt[0].target in _ALL_REDUCES else None
+        if r is not None and r.args[1] != op:
+            r = None
+    return chain
+
+
+def _count_chain(graph: fx.Graph, loss: fx.Node, groups: list[str]) -> list[fx.Node]:
+    """Sum all-reduces of `loss`'s count over `groups` in turn, each waited (a pipeline
+    stage's forward program: the count's own reductions are in its backward)."""
+    local = next((g for g in loss.users if g.target is operator.getitem and g.args[1] == 1), None)
+    if local is None:
+        with graph.inserting_after(loss):
+            local = graph.call_function(operator.getitem, (loss, 1))
+        local.meta["val"] = loss.meta["val"][1]
+    chain, x = [], local
+    for group in groups:
+        with graph.inserting_after(x):
+            reduce = graph.call_function(_F.all_reduce_.default, (x, "sum", group))
+        reduce.meta["val"] = local.meta.get("val")
+        with graph.inserting_after(reduce):
+            x = graph.call_function(_F.wait_tensor.default, (reduce,))
+        x.meta["val"] = local.meta.get("val")
+        chain.append(reduce)
+    return chain
+
+
+def _reduced_output(loss: fx.Node, index: int, op: str) -> fx.Node | None:
+    """The all-reduce (`op`) of `loss`'s output `index` (a copy of it), if any."""
+    for g in loss.users:
+        if g.target is operator.getitem and g.args[1] == index:
+            copies = [c for c in g.users if c.target is aten.clone.default]
+            for r in [u for x in (g, *copies) for u in x.users]:
+                if r.target in _ALL_REDUCES and r.args[1] == op:
+                    return r
+    return None
+
+
 def _counted_all_reduce(loss: fx.Node) -> fx.Node | None:
     """The sum all-reduce of `loss`'s count (`total_weight`, output 1), if the loss is an
     unweighted mean or sum; else None."""
     _, _, weight, reduction, *_ = loss.args
     if weight is not None or reduction not in (_MEAN, _SUM):
         return None
-    for g in loss.users:
-        if g.target is operator.getitem and g.args[1] == 1:
-            for r in g.users:
-                if r.target in _ALL_REDUCES and r.args[0] is g and r.args[1] == "sum":
-                    return r
-    return None
+    return _reduced_output(loss, 1, "sum")
 
 
 def _relabel_chain(target: object) -> list[fx.Node] | None:

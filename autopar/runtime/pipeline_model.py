@@ -5,14 +5,16 @@ A batch of N rows the microbatch count M does not divide is cut as `torch.tensor
 stage program has one shape, and torch's stages receive into buffers of one shape, so the
 two sizes run as two schedule steps, one after the other, each with its own stage
 programs over the same parameter shards (the smaller ones' graph captured at their size,
-`SmallerMicrobatches`). Microbatch i's loss is weighted by n_i / N (its target), and the
-schedules leave the gradients unscaled: the losses and gradients sum to the full batch's
-mean, as on one device.
+`SmallerMicrobatches`). Microbatch i's loss is weighted by its share of the batch (its
+target): n_i / N of the rows, or for a mean cross-entropy its counted targets / the batch's
+(`runtime.loss_shares`: padding spread unevenly), and the schedules leave the gradients
+unscaled: the losses and gradients sum to the full batch's mean, as on one device.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -29,6 +31,7 @@ from autopar.devices import device_mesh
 from autopar.passes.precision import ParamBoundary, flat_shard
 from autopar.passes.stages import split_stages
 from autopar.plan import SCHEDULES, Plan, mixed_shapes, parse_spec, stage_ranks
+from autopar.runtime.loss_shares import loss_shares, target_counter
 from autopar.runtime.memory_stats import optimizer_state_tensors
 from autopar.runtime.optimizer import LossScaler, ParamGather, ParamState
 from autopar.runtime.parallel_model import OptimizerFactory, TrainingSteps
@@ -94,6 +97,10 @@ class PipelineModel(TrainingSteps):
         self.runs = [_Run(_make_schedule(plan, self.stages, self._loss, count), count, rows)]
         if smaller is not None:  # uneven microbatches: the smaller ones' own programs
             self.runs.append(self._smaller_run(smaller, full))
+        # a microbatch's share of the batch's mean loss: its rows, or its counted targets
+        self.counters = [target_counter(captured)] + (
+            [target_counter(smaller.captured)] if smaller is not None else []
+        )
         params = [p for m in self.modules.values() for p in m.shards]
         if self.zero is not None:
             self.optimizer = self.zero.optimizer
@@ -134,7 +141,7 @@ class PipelineModel(TrainingSteps):
                 f"the batch has {batch[0].shape[0]} rows but this pipeline was compiled for "
                 f"{sum(rows)} (microbatches of {rows} rows); compile it for this batch"
             )
-        share = torch.tensor(rows, dtype=torch.float32, device=self.device) / sum(rows)
+        share = self._shares(rows, batch).to(self.device)
         losses: list[torch.Tensor] = []
         first = 0  # the run's first microbatch (and row)
         for run in self.runs:
@@ -201,6 +208,16 @@ class PipelineModel(TrainingSteps):
         for m in self.modules.values():
             for p in m.shards:
                 p.grad = None
+
+    def _shares(self, rows: list[int], batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Each microbatch's share of the batch's mean loss (`runtime.loss_shares`)."""
+        bounds = [sum(rows[:i]) for i in range(len(rows) + 1)]
+        microbatches = [tuple(t[a:b] for t in batch) for a, b in itertools.pairwise(bounds)]
+        runs, first = [], 0
+        for run in self.runs:
+            runs.append(microbatches[first : first + run.count])
+            first += run.count
+        return loss_shares(rows, self.counters, runs)
 
     def _loss(self, output: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
         """The last stage's program already computes the microbatch's mean loss: weighted
