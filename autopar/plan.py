@@ -3,9 +3,9 @@
 A plan is JSON, never code: a schema version, the fingerprint of the graph it was made for,
 the cluster, and per node the placements its inputs must have and its outputs will have
 (one placement per mesh axis, written DTensor-style: `S(0)`, `R`, `P` (sum), `P(avg)`,
-`MP` (the masked sum of a vocab-parallel embedding)). Parameters carry
-their storage placement (what each rank keeps between steps: `R` = replicated (DP), `S(d)`
-on a data axis = ZeRO-3/FSDP, `S(d)` on a tensor axis = Megatron TP).
+`MP` (the masked sum of a vocab-parallel embedding)). Parameters carry their storage
+placement (what each rank keeps between steps: `R` = replicated (DP), `S(d)` on a data
+axis = ZeRO-3/FSDP, `S(d)` on a tensor axis = Megatron TP).
 `fusion` is how the planned graph was fused ("none", "triton": `fused_regions` lists the
 regions swapped for autopar kernels, "inductor": the runtime hands each rank's program to
 torch.compile and no region is rewritten); the runtime reproduces it before lowering.
@@ -20,6 +20,7 @@ the first collective.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -77,6 +78,7 @@ def spec_str(spec: Spec | None) -> str | None:
     return None if spec is None else ",".join(placement_str(p) for p in spec)
 
 
+@functools.cache  # placements are immutable: each of a plan's few specs parsed once
 def parse_spec(text: str | None) -> Spec | None:
     return None if text is None else tuple(parse_placement(t) for t in text.split(","))
 
@@ -124,9 +126,8 @@ FUSION_MODES = ("none", "triton", "inductor")
 
 @dataclass(frozen=True, slots=True)
 class FusedRegion:
-    """One region the fusion pass swapped for a kernel call: the kernel
-    (``autopar::<kernel>``), the fused node's name and the names of the nodes it replaced,
-    in graph order."""
+    """One region the fusion pass swapped for a kernel call: the kernel (``autopar::<kernel>``),
+    the fused node's name and the names of the nodes it replaced, in graph order."""
 
     kernel: str
     node: str
@@ -451,8 +452,7 @@ class Plan:
 
     def _fields(self) -> dict:
         """`asdict`, a pipeline's default boundary ("placed") and uniform stage meshes left
-        out: a plan saved before `PipelinePlan.boundary` existed reads (and hashes) as it
-        was written."""
+        out: a plan saved before `PipelinePlan.boundary` existed reads (and hashes) as saved."""
         data = asdict(self)
         if data.get("pipeline") and data["pipeline"]["boundary"] == "placed":
             del data["pipeline"]["boundary"]
