@@ -69,6 +69,7 @@ from autopar.search.stage_meshes import rank_variants
 from autopar.search.template_plan import prepare_on_template, solve_on_template
 
 MICROBATCH_ROWS = (1, 2)  # rows per data-parallel replica in one microbatch
+CHECK_EARLY_CORES = 3  # cores that run the three-block check beside the template's traces
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,7 +309,12 @@ def _search_layout(
     _check_state_fits(model, cluster, options)
     pricer = _Pricer(model, batch, cluster, options, loss_fn)
     rows = batch[0].shape[0]
-    check = start_check(model, batch, loss_fn)  # on another core while the template exports
+    # the three-block check on a third core while the template exports on two (its rows
+    # and half of them, `capture.rows`); with fewer, once this process has priced its
+    # degrees (the others finishing theirs, then the final plan's building and liveness
+    # simulation: a core idle but for it)
+    early = ahead.cores() >= CHECK_EARLY_CORES
+    check = start_check(model, batch, loss_fn) if early else None
     whole = pricer.template(rows)
     whole.adopt(check)
     layers = whole.total_layers or _captured_layers(pricer)
@@ -328,6 +334,7 @@ def _search_layout(
             len(degrees),
             lambda i, nxt, bar: _price_degree(pricer, degrees, i, nxt, schedule, bar),
             workers.processes_for(len(degrees)),
+            None if early else lambda: whole.adopt(start_check(model, batch, loss_fn)),
         )
         tried = {key: why for degree in found for key, why in degree.tried.items()}
         priced = [p for degree in found for p in degree.priced]
