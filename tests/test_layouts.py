@@ -179,7 +179,7 @@ def test_degrees_priced_on_forked_processes_come_back_in_pricing_order() -> None
         found = None if steps[i] is None else (steps[i], float(i), Layout(i + 1, 1, 1, 1))
         return (i, os.getpid(), seen, found)
 
-    idle: list[int] = []  # when a process first has no degree left (once, in this one)
+    idle: list[int] = []  # once this process has no degree left (once)
     when_idle = lambda: idle.append(len(price_calls))  # noqa: E731
     price_calls: list[int] = []
     traced = lambda i, nxt, bar: price_calls.append(i) or price(i, nxt, bar)  # noqa: E731

@@ -309,10 +309,8 @@ def _search_layout(
     _check_state_fits(model, cluster, options)
     pricer = _Pricer(model, batch, cluster, options, loss_fn)
     rows = batch[0].shape[0]
-    # the three-block check on a third core while the template exports on two (its rows
-    # and half of them, `capture.rows`); with fewer, once this process has priced its
-    # degrees (the others finishing theirs, then the final plan's building and liveness
-    # simulation: a core idle but for it)
+    # the three-block check on a third core beside the template's two traces; with fewer,
+    # once this process has priced its degrees (then a core is idle but for it)
     early = ahead.cores() >= CHECK_EARLY_CORES
     check = start_check(model, batch, loss_fn) if early else None
     whole = pricer.template(rows)
@@ -334,13 +332,14 @@ def _search_layout(
             len(degrees),
             lambda i, nxt, bar: _price_degree(pricer, degrees, i, nxt, schedule, bar),
             workers.processes_for(len(degrees)),
-            None if early else lambda: whole.adopt(start_check(model, batch, loss_fn)),
+            None if early else lambda: _check_when_idle(whole, model, batch, loss_fn),
         )
         tried = {key: why for degree in found for key, why in degree.tried.items()}
         priced = [p for degree in found for p in degree.priced]
         best = fastest(priced)
         if best is not None and best[2].pp > 1:
-            best = min([best, *_price_stage_meshes(pricer, best, tried, priced)], key=_step)
+            variants = _price_stage_meshes(pricer, best, tried, priced)
+            best = min([best, *variants], key=operator.itemgetter(0))
     finally:
         ahead.clear()
     if best is None:
@@ -352,8 +351,11 @@ def _search_layout(
     return LayoutSearch(priced, tried, elapsed, pricer.templates, pricer.template)
 
 
-def _step(found: tuple[float, float, Layout]) -> float:
-    return found[0]
+def _check_when_idle(whole: Template, model, batch, loss_fn) -> None:
+    """`whole`'s three-block check forked once no solve started ahead runs (`ahead.clear`:
+    a fork copies only its own thread; none may be inside the solver then)."""
+    ahead.clear()
+    whole.adopt(start_check(model, batch, loss_fn))
 
 
 def _price_stage_meshes(pricer: _Pricer, best, tried: dict, priced: list) -> list[tuple]:

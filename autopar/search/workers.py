@@ -116,8 +116,8 @@ def price_in_processes(
     count: int, price: Callable, processes: int, when_idle: Callable[[], None] | None = None
 ) -> list:
     """`price(i, nxt, bar)` of every degree index `i` in `range(count)`, in that order, on
-    `processes` processes (this one and forked ones); `when_idle()` once, as soon as one of
-    them has no degree left to price (the others may still be pricing theirs)."""
+    `processes` processes (this one and forked ones); `when_idle()` once this process has
+    no degree left to price (the others may still be pricing theirs)."""
     called: list[bool] = []
 
     def idle() -> None:
@@ -140,8 +140,6 @@ def price_in_processes(
         def report(i: int, result: object) -> None:
             run.results[i] = result
             _drain(children, run, inbox, wait=False)
-            if any(c.done for c in children):  # a core without degrees to price
-                idle()
 
         run.walk(report, from_back=False)
         idle()
