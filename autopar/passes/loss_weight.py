@@ -1,6 +1,7 @@
 """A mean NLL loss over a batch sharded across ranks: its value, and its count of targets.
 
-`global_mean_loss(graph) -> int` (run by `passes.lower` on every lowered program)
+`global_mean_loss(graph) -> int` (run by `passes.comm.optimize_comm` on every lowered
+program and every pipeline stage's, whatever the communication options)
 
 DTensor's rule for `nll_loss_forward` on rows sharded across ranks makes each rank's mean a
 `Partial("avg")`: the mean of the ranks' means, which is the batch's mean only where every
