@@ -176,8 +176,10 @@ def test_the_loss_count_is_all_reduced_at_the_programs_start(fake_group) -> None
         assert next(iter(count.users)) in backward.args  # waited where the count is read
         # the loss: the ranks' means times their counts, summed, over the summed count
         # (`global_mean_loss`; DTensor averages the means)
-        (value,) = [c for c in _starts(gm) if c.args[0].target is aten.mul.Tensor]
-        assert value.args[1] == "sum" and value.args[0].args[0].args == (loss, 0)
+        (value,) = [c for c in _starts(gm) if c.args[0].target is aten.where.ScalarOther]
+        counted, product, _ = value.args[0].args  # a rank without targets adds 0
+        assert value.args[1] == "sum" and product.target is aten.mul.Tensor
+        assert product.args[0].args == (loss, 0) and counted.target is aten.gt.Scalar
         (mean,) = next(iter(value.users)).users
         assert mean.target is aten.div.Tensor and next(iter(count.users)) is mean.args[1]
         # as lowered: it reads the loss's own count, after the forward (fsdp: after the

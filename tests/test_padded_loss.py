@@ -19,6 +19,7 @@ SOURCE = "tests/models/padded_gpt.py:build"
 STEPS = 2
 TOL = Tolerance(loss=1e-5, grad=1e-5, param=LR * STEPS)
 PIPE = dict(config="tiny4", steps=STEPS, schedule="1f1b")
+EMPTY = {**PIPE, "config": "tiny4-empty"}
 
 
 @pytest.mark.multiproc
@@ -33,6 +34,9 @@ def test_a_padded_batch_trains_like_one_device() -> None:
         ParityCase(SOURCE, (2, 2), ("pp", "dp"), "dp", microbatches=3, **PIPE),
         # gradient accumulation (a pipeline on a "pp" axis of 1)
         ParityCase(SOURCE, (1, 2), ("pp", "dp"), "dp", microbatches=2, **PIPE),
+        # a rank, and a microbatch, without any target: it adds nothing (its mean is 0/0)
+        ParityCase(SOURCE, (2,), ("dp",), "dp", config="tiny-empty", steps=STEPS),
+        ParityCase(SOURCE, (2, 2), ("pp", "dp"), "dp", microbatches=2, **EMPTY),
     ]
     check(cases, run_parity(cases), TOL)
 

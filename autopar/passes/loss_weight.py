@@ -9,7 +9,8 @@ rank counts as many targets. Where it does not (padding, `ignore_index` targets 
 unevenly over the rows), the loss a step returned was not the single-device loss, though
 its gradients were (the backward divides by the all-reduced count). This rewrites the
 reduction as the batch's mean: each rank's mean times its count (its `total_weight`; a
-class-weighted loss's weight sum), summed over the ranks, divided by the summed count.
+class-weighted loss's weight sum; 0 where it counts none, whose mean is 0/0), summed over
+the ranks, divided by the summed count.
 
 `hoist_loss_weight(graph) -> int` (run by `passes.comm.optimize_comm` before scheduling)
 
@@ -104,9 +105,12 @@ def global_mean_loss(graph: fx.Graph) -> int:
         for n in moved:
             value[0].prepend(n)
         mean = value[0].args[0]
-        with graph.inserting_before(value[0]):
-            total = graph.call_function(aten.mul.Tensor, (mean, local))
-        total.meta.update(mean.meta)
+        with graph.inserting_before(value[0]):  # a rank without targets adds 0, not 0/0
+            product = graph.call_function(aten.mul.Tensor, (mean, local))
+            counted = graph.call_function(aten.gt.Scalar, (local, 0))
+            total = graph.call_function(aten.where.ScalarOther, (counted, product, 0.0))
+        for n in (product, total):
+            n.meta.update(mean.meta)
         value[0].update_arg(0, total)
         for r in value:
             r.update_arg(1, "sum")

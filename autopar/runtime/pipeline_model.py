@@ -222,7 +222,8 @@ class PipelineModel(TrainingSteps):
     def _loss(self, output: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
         """The last stage's program already computes the microbatch's mean loss: weighted
         by the microbatch's share of the batch's rows (fp16: scaled)."""
-        weighted = output.float() * share.reshape(())
+        share = share.reshape(())  # a microbatch without targets (its mean 0/0) adds 0
+        weighted = torch.where(share > 0, output.float() * share, 0.0)
         return weighted * self.scaler.scale if self.scaler is not None else weighted
 
     # ---- state -------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from autopar import planning
 from autopar.cli.sources import load_model
 from autopar.devices import choose_backend, process_group_device
 from autopar.plan import MemoryPlan, Plan
+from autopar.testing.deviations import loss_deviation, unbounded_if_nan
 from autopar.testing.rank_pool import on_ranks
 from autopar.testing.reference import LR, grads_at, train_single_device
 
@@ -355,9 +356,10 @@ class Tolerance:
     grad: float
     param: float
 
-    def exceeded(self, res: ParityResult) -> bool:
-        return (
-            res.loss_rel_err > self.loss or res.grad_err > self.grad or res.param_err > self.param
+    def exceeded(self, res: ParityResult) -> bool:  # a NaN deviation exceeds any bound
+        errs = (res.loss_rel_err, res.grad_err, res.param_err)
+        return not all(
+            e <= b for e, b in zip(errs, (self.loss, self.grad, self.param), strict=True)
         )
 
 
@@ -483,7 +485,7 @@ def run_case(case: ParityCase, plans: dict | None = None) -> ParityResult:
                 if grad.numel():
                     raise ValueError(f"{fqn}: a gradient of {tuple(grad.shape)} for an empty shard")
                 continue
-            err = (grad - want.to(grad.device)).abs().max().item()
+            err = unbounded_if_nan((grad - want.to(grad.device)).abs().max().item())
             res.grad_abs_err = max(res.grad_abs_err, err)
             res.grad_err = max(res.grad_err, err / max(want.abs().max().item(), floor, 1e-12))
         if step == case.steps - 1 and hasattr(pm, "state"):
@@ -492,10 +494,13 @@ def run_case(case: ParityCase, plans: dict | None = None) -> ParityResult:
     res.recomputed = recomputed_nodes(pm)
     if hasattr(pm, "sync"):
         res.late_syncs = pm.sync.late + (pm.gather.late if pm.gather is not None else 0)
-    res.loss_rel_err = max(abs(a - b) / abs(b) for a, b in zip(res.losses, ref.losses, strict=True))
+    pairs = zip(res.losses, ref.losses, strict=True)
+    res.loss_rel_err = max(loss_deviation(a, b) for a, b in pairs)
     full = pm.full_state_dict()
     full = {k: v.cpu() for k, v in full.items()}  # the reference trains on the CPU
-    res.param_err = max((full[k] - v).abs().max().item() for k, v in ref.state.items())
+    res.param_err = max(
+        unbounded_if_nan((full[k] - v).abs().max().item()) for k, v in ref.state.items()
+    )
     buffers = {k for k, _ in model.named_buffers()} & set(ref.state)
     res.buffer_err = max(
         ((full[k] - ref.state[k]).abs().max().item() for k in buffers), default=0.0
@@ -504,6 +509,6 @@ def run_case(case: ParityCase, plans: dict | None = None) -> ParityResult:
     if case.mixed_precision:
         ref32 = train_single_device(model, batch, case.steps, grads=False)
         pairs = zip(res.losses, ref32.losses, strict=True)
-        res.fp32_loss_rel_err = max(abs(a - b) / abs(b) for a, b in pairs)
+        res.fp32_loss_rel_err = max(loss_deviation(a, b) for a, b in pairs)
         res.fp32_param_err = max((full[k] - v).abs().max().item() for k, v in ref32.state.items())
     return res

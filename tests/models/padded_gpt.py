@@ -14,12 +14,19 @@ IGNORE = -100
 
 
 def build(config_name: str = "tiny") -> nn.Module:
-    return gpt.build(config_name)
+    """`<gpt config>` or `<gpt config>-empty`: the batch's first half wholly padding too (a
+    data-parallel rank, a microbatch, without any target: its mean is 0/0)."""
+    name = config_name.removesuffix("-empty")
+    model = gpt.build(name)
+    model.empty_half = config_name.endswith("-empty")
+    return model
 
 
 def example_batch(model: nn.Module, batch_size: int) -> tuple[Tensor, Tensor]:
     idx, targets = gpt.example_batch(model, batch_size)
     seq = targets.shape[1]
     lengths = torch.linspace(2, seq, batch_size).long()  # row i keeps its first lengths[i]
+    if getattr(model, "empty_half", False):
+        lengths[: batch_size // 2] = 0
     padding = torch.arange(seq)[None, :] >= lengths[:, None]
     return idx, targets.masked_fill(padding, IGNORE)
