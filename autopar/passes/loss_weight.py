@@ -40,6 +40,7 @@ import torch.fx as fx
 aten = torch.ops.aten
 _F = torch.ops._c10d_functional
 _ALL_REDUCES = (_F.all_reduce.default, _F.all_reduce_.default)
+_ALL_TO_ALL = (_F.all_to_all_single.default,)
 _LOSSES = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 _MEAN, _SUM = 1, 2
 # what may stand between a program input and the loss's targets: re-labelings of the input
@@ -63,8 +64,8 @@ def hoist_loss_weight(graph: fx.Graph) -> int:
     """Count every unweighted NLL loss's targets at the program's start and all-reduce the
     count there (module doc); returns how many counts were hoisted."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    if not placeholders:
-        return 0
+    if not placeholders or any(n.target in _ALL_TO_ALL for n in graph.nodes):
+        return 0  # not beside gloo's all-to-all (a rank crashed once in it: see the note)
     cursor = placeholders[-1]
     hoisted = 0
     for loss in [n for n in graph.nodes if n.op == "call_function" and n.target in _LOSSES]:
