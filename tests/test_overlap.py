@@ -36,6 +36,7 @@ from autopar.passes.comm import (
 from autopar.passes.recompute import is_backward, layer_of
 from autopar.passes.shape_reads import FILLS
 from autopar.rank_plans import plan_for_ranks
+from autopar.runtime.loss_shares import upstream
 from autopar.runtime.parallel_model import ParallelModel
 from autopar.testing.parity import LR, RANK_CAPTURES, shared_capture, test_backend
 from autopar.testing.rank_pool import on_ranks
@@ -168,7 +169,7 @@ def test_the_loss_count_is_all_reduced_at_the_programs_start(fake_group) -> None
         assert cast.target is aten._to_copy.default and cast.kwargs["dtype"] == torch.float32
         valid = cast.args[0].args[0]
         assert valid.target is aten.ne.Scalar and valid.args[1] == loss.args[4]
-        assert all(n.op == "placeholder" or n.target in VIEWS for n in _upstream(valid))
+        assert all(n.op == "placeholder" or n.target in VIEWS for n in upstream(valid) - {valid})
         assert nodes.index(count) < min(
             nodes.index(n) for n in nodes if n.target is aten.mm.default
         )
@@ -201,16 +202,6 @@ def _counts_targets(c) -> bool:
     return cast.target is torch.ops.aten._to_copy.default and (
         cast.args[0].args[0].target is torch.ops.aten.ne.Scalar
     )
-
-
-def _upstream(node) -> set:
-    seen, todo = set(), [*node.all_input_nodes]
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo += n.all_input_nodes
-    return seen
 
 
 def test_tp_input_gradient_all_reduces_overlap_the_weight_gradient(fake_group) -> None:
@@ -255,7 +246,7 @@ def _check_schedule(gm, lowered) -> None:
     for c in _starts(gm):
         wait = next(iter(c.users))
         if _counts_targets(c):  # the loss's count: at the start (`passes.loss_weight`)
-            assert all(n.op == "placeholder" or n in _upstream(c) for n in nodes[: pos[c]])
+            assert all(n.op == "placeholder" or n in upstream(c) for n in nodes[: pos[c]])
             continue
         last = max(pos[a] for a in c.all_input_nodes)
         between = nodes[last + 1 : pos[c]]

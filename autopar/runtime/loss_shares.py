@@ -25,10 +25,9 @@ import torch
 import torch.fx as fx
 
 from autopar.capture import Captured
+from autopar.passes.loss_weight import _LOSSES, _MEAN
 
 aten = torch.ops.aten
-_LOSSES = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
-_MEAN = 1
 _RELABEL = (aten.view.default, aten._unsafe_view.default, aten.alias.default, aten.detach.default)
 Counter = Callable[[Sequence[torch.Tensor]], torch.Tensor]
 # a traced `view` may read a value its trace took as viewable that is not (Hugging Face's
@@ -46,7 +45,7 @@ def target_counter(captured: Captured) -> Counter | None:
     _, target, weight, reduction, ignore_index = loss.args
     if weight is not None or reduction != _MEAN or not isinstance(target, fx.Node):
         return None
-    needed = _upstream(target)
+    needed = upstream(target)
     inputs = {n.name for n in captured.placeholders() if n.name in captured.user_inputs}
     for n in needed:
         if n.op == "placeholder" and n.name not in inputs:
@@ -97,7 +96,8 @@ def _loss_node(graph: fx.Graph) -> fx.Node | None:
     return loss if isinstance(loss, fx.Node) and loss.target in _LOSSES else None
 
 
-def _upstream(node: fx.Node) -> set[fx.Node]:
+def upstream(node: fx.Node) -> set[fx.Node]:
+    """`node` and every node it reads, transitively."""
     seen, todo = {node}, list(node.all_input_nodes)
     while todo:
         n = todo.pop()
