@@ -29,10 +29,11 @@ next; timed as loops they agree within ~15%):
   ``matmul_half_dim`` = the median ``d_half`` of ``rate / peak = d / (d + d_half)``
   (a matmul with a small side runs far from peak whatever its FLOPs: 2-core CPU, n =
   2048, d = 32 ran at 0.62 of the large rate), taken out of the square sizes' fixed time;
-* memory-bound ``y = x * 2`` over sizes: ``memory_bandwidth`` = the rate of read + write at
-  the largest size (smaller ones may run from a cache; on CPU the largest, 64 MiB, is past
-  glibc's mmap threshold, so each output is freshly mapped as a step's large tensors are:
-  16 MiB measured 2.6 to 20 GB/s from one calibration to the next, 64 MiB 2.3-2.5);
+* memory-bound ``y = x * 2`` over sizes, streamed as a step streams them (``_streamed``:
+  inputs from a pool beyond the caches, outputs new tensors): ``memory_curve``, the rate of
+  read + write per size over the fastest (``memory_bandwidth``), never rising with size
+  (on CPU the largest, 64 MiB, is past glibc's mmap threshold, so each output is freshly
+  mapped as a step's large tensors are: 2.3-2.5 GB/s, where a few MiB streamed 8-14);
 * ``launch_overhead``: a one-element op;
 * fused attention (``scaled_dot_product_attention``, 4 heads of 64) at twice the largest
   matmul side, and at an eighth of it with 8 times the batch: the two rates over the
@@ -111,6 +112,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 _SLOW_S = 0.02  # one matmul slower than this: larger sizes of its dtype are skipped
 _SUSTAIN_S, _MAX_CALLS = 0.05, 1000  # a timed compute rep: a loop of calls this long
+_POOL_BYTES = 64 * 2**20  # memory-bound inputs cycled beyond a CPU's or a GPU's last cache
 
 
 def calibrate(
@@ -289,9 +291,7 @@ def _measure(device: str, dmesh, names, cfg: dict[str, Any], bar: _Progress) -> 
         bar.step(f"matmul float32 {d} x {width}")
     memory = []
     for numel in cfg["memory"]:
-        x = torch.randn(numel, device=device)
-        t = _timed(lambda x=x: x * 2, device, reps)
-        memory.append((2.0 * numel * 4, t, 2.0 * numel * 4 / t))
+        memory.append(_streamed(numel, device, reps))
         bar.step(f"memory-bound {numel * 4 >> 10} KiB")
     attention = _attention(device, cfg, reps)
     bar.step("attention")
@@ -305,10 +305,31 @@ def _measure(device: str, dmesh, names, cfg: dict[str, Any], bar: _Progress) -> 
         "matmul": matmul,
         "skinny": skinny,
         "memory": memory,
+        "memory_method": "streamed",
         **attention,
         "comm": comm,
         "overlap": overlap,
     }
+
+
+def _streamed(numel: int, device: str, reps: int) -> tuple[float, float, float]:
+    """(bytes, seconds, bytes/s) of ``y = x * 2`` on ``numel`` float32 elements as a
+    training step's elementwise ops run: each input one of a pool read long ago (not from
+    a cache), each output a new tensor while the pool's last outputs stay alive (the
+    allocator hands out memory not touched lately; on CPU, past glibc's mmap threshold, a
+    fresh mapping). A hot ``x * 2`` on one tensor ran 68-100 GB/s up to 8 MiB on a 2-core
+    CPU, where a step's elementwise ops ran 8-14."""
+    count = max(2, -(-_POOL_BYTES // (numel * 4)))
+    inputs = [torch.randn(numel, device=device) for _ in range(count)]
+    outputs: list[torch.Tensor | None] = [None] * count
+    turn = iter(range(1 << 62))
+
+    def call() -> None:
+        i = next(turn) % count
+        outputs[i] = inputs[i] * 2
+
+    t = _timed(call, device, reps)
+    return 2.0 * numel * 4, t, 2.0 * numel * 4 / t
 
 
 def _overlap(device: str, cfg: dict[str, Any]) -> list[float]:

@@ -37,11 +37,13 @@ def cluster_from_measurements(
     ]
     half = statistics.median(fixed) * peaks["float32"]
     attention, attention_half, block = _attention_fit(m, peaks["float32"])
+    bandwidth, curve = _memory_curve(m)
     device = DeviceSpec(
         f"calibrated {m['device_name']}",
         peaks,
         m["memory_bytes"],
-        m["memory"][-1][2],  # the largest size: streamed from memory, not from a cache
+        bandwidth,
+        memory_curve=curve,
         matmul_half_flops=half,
         matmul_half_dim=thin,
         attention_efficiency=max(attention, 1e-6),
@@ -82,6 +84,30 @@ def _attention_fit(m: dict[str, Any], peak: float) -> tuple[float, float, float]
     if share is not None and seq:
         block = min(max(seq * (2.0 * share - 1.0), 0.0), seq)
     return eff, half, block
+
+
+def _memory_curve(m: dict[str, Any]) -> tuple[float, tuple[tuple[float, float], ...]]:
+    """(memory_bandwidth, memory_curve) of the memory-bound runs: streamed as a step
+    streams (``memory_method``), the rates made never rising with size (pooled adjacent
+    violators: a larger kernel measured faster than a smaller one is noise, both priced at
+    their mean) over the fastest; a file from before (a hot ``x * 2``, faster than a step
+    from a cache up to a few MiB) gives its largest size's rate, flat."""
+    rows = sorted((float(b), float(r)) for b, _, r in m["memory"])
+    if m.get("memory_method") != "streamed" or len(rows) < 2:
+        return rows[-1][1], ()
+    blocks: list[list[float]] = []  # [rate, weight] per block of pooled sizes
+    for _, rate in rows:
+        blocks.append([rate, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
+            rate, weight = blocks.pop()
+            blocks[-1] = [
+                (blocks[-1][0] * blocks[-1][1] + rate * weight) / (blocks[-1][1] + weight),
+                blocks[-1][1] + weight,
+            ]
+    rates = [rate for rate, weight in blocks for _ in range(int(weight))]
+    top = rates[0]
+    curve = tuple((b, min(1.0, r / top)) for (b, _), r in zip(rows, rates, strict=True))
+    return top, curve
 
 
 def _half_dim(skinny: list, peak: float, launch: float) -> float:

@@ -10,6 +10,7 @@ from before they existed) loads with every efficiency 1 and no launch overhead.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -91,6 +92,20 @@ def _positive(value: float, what: str) -> float:
     return value
 
 
+def _memory_curve(points) -> tuple[tuple[float, float], ...]:
+    curve = tuple(
+        (_positive(b, "memory_curve size"), _fraction(f, "memory_curve fraction"))
+        for b, f in points
+    )
+    sizes, fractions = [b for b, _ in curve], [f for _, f in curve]
+    if sizes != sorted(set(sizes)) or fractions != sorted(fractions, reverse=True):
+        raise ValueError(
+            f"memory_curve must list (bytes, fraction) by ascending size with fractions never "
+            f"rising, got {curve}"
+        )
+    return curve
+
+
 @dataclass(frozen=True, slots=True)
 class DeviceSpec:
     """One accelerator: peak FLOP/s per dtype, memory (bytes) and memory bandwidth (bytes/s),
@@ -117,6 +132,11 @@ class DeviceSpec:
     # the key/value tile of the fused attention kernel, in tokens: a causal mask skips only
     # the tiles wholly above the diagonal (0: every masked score skipped, half the work)
     attention_block: float = 0.0
+    # memory-bound kernels by size: (bytes a kernel moves, fraction of memory_bandwidth),
+    # sizes ascending, fractions never rising (`autopar calibrate` measures them; empty:
+    # every size at memory_efficiency). On a CPU a kernel of a few MiB streams from memory
+    # 4x faster than one whose output is a fresh mapping (past glibc's mmap threshold).
+    memory_curve: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -142,23 +162,42 @@ class DeviceSpec:
         if not 0 <= overlap <= 1:
             raise ValueError(f"overlap_efficiency must be in [0, 1], got {overlap!r}")
         object.__setattr__(self, "overlap_efficiency", overlap)
+        object.__setattr__(self, "memory_curve", _memory_curve(self.memory_curve))
+
+    def memory_rate(self, nbytes: float) -> float:
+        """Bytes/s a memory-bound kernel moving ``nbytes`` achieves: ``memory_curve``
+        interpolated in log-log between its sizes (flat beyond its ends), or
+        ``memory_efficiency`` of the bandwidth where the device has no curve."""
+        curve = self.memory_curve
+        if not curve:
+            return self.memory_bandwidth * self.memory_efficiency
+        if nbytes <= curve[0][0]:
+            return self.memory_bandwidth * curve[0][1]
+        for (b0, f0), (b1, f1) in itertools.pairwise(curve):
+            if nbytes <= b1:
+                t = math.log(nbytes / b0) / math.log(b1 / b0)
+                return self.memory_bandwidth * f0 * (f1 / f0) ** t
+        return self.memory_bandwidth * curve[-1][1]
 
     def peak_flops_for(self, dtype: str | torch.dtype) -> float:
         """Peak FLOP/s for ``dtype``; dtypes without an entry fall back to float32."""
         return self.peak_flops.get(_dtype_key(dtype), self.peak_flops["float32"])
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "name": self.name,
             "peak_flops": dict(self.peak_flops),
             **{f: getattr(self, f) for f in _DEVICE_FIELDS},
         }
+        if self.memory_curve:
+            out["memory_curve"] = [list(point) for point in self.memory_curve]
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DeviceSpec:
-        return cls(
-            data["name"], data["peak_flops"], **{f: data[f] for f in _DEVICE_FIELDS if f in data}
-        )
+        curve = tuple(tuple(point) for point in data.get("memory_curve", ()))
+        fields = {f: data[f] for f in _DEVICE_FIELDS if f in data}
+        return cls(data["name"], data["peak_flops"], **fields, memory_curve=curve)
 
 
 @dataclass(frozen=True, slots=True)

@@ -146,3 +146,37 @@ def test_calibrate_command_writes_a_loadable_cluster(tmp_path: Path) -> None:
     assert 0.0 <= cluster.device.overlap_efficiency <= 1.0
     assert len(raw["calibration"]["comm"]["dp"]) == 2 * 5  # 2 sizes x (4 collectives + p2p)
     assert make_cluster(str(out), 1, None, "tp").axis_names == ("tp",)
+
+
+def test_streamed_memory_runs_give_a_size_curve() -> None:
+    """Memory-bound runs streamed as a step streams them (`calibration._streamed`) give a
+    rate per size, never rising with size (a larger size measured faster is noise: pooled
+    with its neighbour), over the fastest; runs from before (a hot ``x * 2``) give the
+    largest size's rate, flat."""
+    m = {
+        "device_name": "x",
+        "memory_bytes": 1e9,
+        "launch_s": 5e-6,
+        "matmul": {"float32": [[1e6, 1e-4, 1e10], [1e9, 2e-2, 5e10]]},
+        "memory": [[1e6, 0, 8e9], [4e6, 0, 1.2e10], [1.6e7, 0, 9e9], [1.3e8, 0, 2.5e9]],
+        "comm": {"dp": _synthetic(Link(2e9, 30e-6), 2)},
+    }
+    old = cluster_from_measurements(m, (2,), ("dp",), "gloo").device
+    assert old.memory_bandwidth == 2.5e9 and old.memory_curve == ()
+    assert old.memory_rate(1e6) == old.memory_rate(1e9) == 2.5e9
+    device = cluster_from_measurements(
+        m | {"memory_method": "streamed"}, (2,), ("dp",), "gloo"
+    ).device
+    assert device.memory_bandwidth == pytest.approx(1e10)  # 8 and 12 GB/s pooled
+    rates = [device.memory_rate(b) for b in (1e5, 1e6, 4e6, 1.6e7, 6e7, 1.3e8, 1e10)]
+    assert rates == sorted(rates, reverse=True)
+    assert rates[0] == rates[1] == rates[2] == pytest.approx(1e10)
+    assert device.memory_rate(1.6e7) == pytest.approx(9e9)
+    assert rates[-2] == rates[-1] == pytest.approx(2.5e9)  # flat past the largest size
+    assert 2.5e9 < device.memory_rate(6e7) < 9e9  # log-log between the sizes
+    again = Cluster.from_dict(
+        cluster_from_measurements(
+            m | {"memory_method": "streamed"}, (2,), ("dp",), "gloo"
+        ).to_dict()
+    )
+    assert again.device == device and again.device.memory_curve == device.memory_curve

@@ -160,6 +160,9 @@ def test_efficiency_validation() -> None:
         DeviceSpec("x", {"float32": 1e12}, 1e9, 1e9, matmul_efficiency=0.0)
     with pytest.raises(ValueError, match="launch_overhead"):
         DeviceSpec("x", {"float32": 1e12}, 1e9, 1e9, launch_overhead=-1.0)
+    for curve in (((2e6, 1.0), (1e6, 0.5)), ((1e6, 0.5), (2e6, 0.6)), ((1e6, 1.5),)):
+        with pytest.raises(ValueError, match="memory_curve"):
+            DeviceSpec("x", {"float32": 1e12}, 1e9, 1e9, memory_curve=curve)
 
 
 def test_local_without_process_group(monkeypatch) -> None:

@@ -56,7 +56,11 @@ def _clusters() -> list[Cluster]:
     kinds = (("all_gather", 0.1), ("all_reduce", 0.58), ("reduce_scatter", 0.06))
     cpu = Cluster.preset("cpu", mesh=(2, 4))
     slow = Link(3.6e9, 1e-3, kind_efficiency=kinds)
-    out.append(replace(cpu, device=replace(cpu.device, name="calibrated"), links=(slow, slow)))
+    # and its memory-bound kernels by size (`DeviceSpec.memory_curve`): a few MiB stream
+    # from memory, a fresh 64 MiB output is mapped page by page
+    curve = ((5e5, 1.0), (2e6, 1.0), (8e6, 0.9), (1.3e8, 0.25))
+    device = replace(cpu.device, name="calibrated", memory_curve=curve)
+    out.append(replace(cpu, device=device, links=(slow, slow)))
     return out
 
 

@@ -38,7 +38,8 @@ causal mask, ``1 / (2 * causal_share)``: the kernel skips only the key tiles
 (``attention_block`` tokens) wholly above the diagonal, so it runs ``causal_share`` of the
 unmasked work for the half of it counted; memory-bound ops (``"memory"``: everything
 else, whose arithmetic intensity puts them on the bandwidth side; their FLOP side stays at
-peak) stream at ``memory_efficiency`` of the HBM bandwidth, as every class's bytes do. The
+peak) stream at ``memory_efficiency`` of the HBM bandwidth, as every class's bytes do, or
+at the rate ``DeviceSpec.memory_curve`` gives a kernel of their size (bytes / kernels). The
 figures live on ``DeviceSpec`` (presets: published measurements; ``autopar calibrate``:
 this machine's). All efficiencies are in (0, 1].
 ``backward_factor``: backward FLOPs / forward FLOPs: 2 for matmuls and convolutions (grad of
@@ -373,7 +374,7 @@ def compute_time(
     return (
         max(
             flops / (device.peak_flops_for(dtype) * eff),
-            nbytes / (device.memory_bandwidth * device.memory_efficiency),
+            nbytes / device.memory_rate(nbytes / k),
         )
         + k * device.launch_overhead
     )
