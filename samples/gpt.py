@@ -197,13 +197,16 @@ class GPT(nn.Module):
                     nn.init.zeros_(module.bias)
 
     def forward(self, idx: Tensor, targets: Tensor) -> Tensor:
+        logits = self.logits(idx)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+    def logits(self, idx: Tensor) -> Tensor:
         _, T = idx.shape
         pos = torch.arange(T, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.h:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return self.lm_head(self.ln_f(x))
 
 
 def _config_of(model_or_config: nn.Module | GPTConfig | str) -> GPTConfig:

@@ -20,6 +20,7 @@ STEPS = 2
 TOL = Tolerance(loss=1e-5, grad=1e-5, param=LR * STEPS)
 PIPE = dict(config="tiny4", steps=STEPS, schedule="1f1b")
 EMPTY = {**PIPE, "config": "tiny4-empty"}
+WEIGHTED = {**PIPE, "config": "tiny4-weighted"}
 
 
 @pytest.mark.multiproc
@@ -37,6 +38,9 @@ def test_a_padded_batch_trains_like_one_device() -> None:
         # a rank, and a microbatch, without any target: it adds nothing (its mean is 0/0)
         ParityCase(SOURCE, (2,), ("dp",), "dp", config="tiny-empty", steps=STEPS),
         ParityCase(SOURCE, (2, 2), ("pp", "dp"), "dp", microbatches=2, **EMPTY),
+        # a class-weighted mean divides by its targets' weights: the microbatches' shares too
+        ParityCase(SOURCE, (2, 2), ("pp", "dp"), "dp", microbatches=3, **WEIGHTED),
+        ParityCase(SOURCE, (1, 2), ("pp", "dp"), "dp", microbatches=2, **WEIGHTED),
     ]
     check(cases, run_parity(cases), TOL)
 
@@ -71,3 +75,18 @@ def test_shifted_labels_are_counted_as_the_loss_reads_them() -> None:
     assert counter is not None
     rows, seq = batch[-1].shape
     assert float(counter(batch)) == rows * (seq - 1)
+
+
+def test_a_class_weighted_mean_counts_its_targets_weights() -> None:
+    # cross_entropy(weight=w) divides by w[target] summed over the counted targets: the
+    # counter reads w from the captured buffers (a microbatch's share, not its rows)
+    model, batch = load_model(SOURCE, "tiny-weighted", 8)
+    captured = capture(model, batch)
+    state = {name: model.get_buffer(fqn) for name, fqn in captured.buffers.items()}
+    counter = target_counter(captured, state)
+    assert counter is not None
+    targets = batch[1]
+    kept = targets != -100
+    expected = model.class_weight[targets[kept]].double().sum()
+    torch.testing.assert_close(counter(batch), expected)
+    assert target_counter(captured) is None  # its weight unknown: rows, as before

@@ -9,17 +9,21 @@ mean cross-entropy (`nll_loss_forward`, unweighted) divides by its targets that 
 `ignore_index`: where padding spreads unevenly over the microbatches, rows give the wrong
 weights (the GPT sample on a padded batch: gradients off by up to 1.4x their largest
 entry, `tests/test_padded_loss.py`).
-There the share is the microbatch's count / the batch's: `target_counter(captured)` counts
-a microbatch's targets by running, on the user's inputs, the ops of `captured` that make
-the loss's target from them (views, a shift by `pad`: whatever reads no parameter), then
-`sum(target != ignore_index)`. Every rank holds the whole batch, so each counts alike
-without communication, before the schedule runs.
+There the share is the microbatch's count / the batch's: `target_counter(captured, known)`
+counts a microbatch's targets by running, on the user's inputs, the ops of `captured` that
+make the loss's target from them (views, a shift by `pad`: whatever reads no parameter),
+then `sum(target != ignore_index)`. A class-weighted mean (`cross_entropy(weight=w)`)
+divides by its targets' weights, `sum(w[target])` over those counted: its weight is read
+from `known` (the captured buffers and constants by placeholder name: a loss module's
+`weight` buffer; never a parameter or a buffer the step mutates, whose value moves).
+Every rank holds the whole batch and those tensors, so each counts alike without
+communication, before the schedule runs.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -35,20 +39,31 @@ Counter = Callable[[Sequence[torch.Tensor]], torch.Tensor]
 _REPLAY = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
 
 
-def target_counter(captured: Captured) -> Counter | None:
-    """A function of a microbatch's user inputs (in `captured.user_inputs` order) counting
-    the targets its mean NLL loss divides by; None where the loss is not such a mean or its
-    target reads more than the user's inputs (a parameter, a buffer, a random op)."""
+def target_counter(
+    captured: Captured, known: Mapping[str, torch.Tensor] | None = None
+) -> Counter | None:
+    """A function of a microbatch's user inputs (in `captured.user_inputs` order) giving
+    what its mean NLL loss divides by (its counted targets, or their class weights' sum);
+    None where the loss is not such a mean or its target or weight reads more than the
+    user's inputs and the `known` buffers and constants (a parameter, a random op)."""
     loss = _loss_node(captured.gm.graph)
     if loss is None:
         return None
     _, target, weight, reduction, ignore_index = loss.args
-    if weight is not None or reduction != _MEAN or not isinstance(target, fx.Node):
+    if reduction != _MEAN or not isinstance(target, fx.Node):
         return None
-    needed = upstream(target)
+    if weight is not None and not isinstance(weight, fx.Node):
+        return None
+    fixed = {
+        name: t
+        for name, t in (known or {}).items()
+        if (name in captured.buffers or name in captured.constants)
+        and name not in captured.mutated_buffers
+    }
+    needed = upstream(target) | (upstream(weight) if weight is not None else set())
     inputs = {n.name for n in captured.placeholders() if n.name in captured.user_inputs}
     for n in needed:
-        if n.op == "placeholder" and n.name not in inputs:
+        if n.op == "placeholder" and n.name not in inputs and n.name not in fixed:
             return None
         if n.op not in ("placeholder", "call_function") or _nondeterministic(n):
             return None
@@ -57,13 +72,19 @@ def target_counter(captured: Captured) -> Counter | None:
     def count(batch: Sequence[torch.Tensor]) -> torch.Tensor:
         values: dict[fx.Node, object] = {}
         given = dict(zip(captured.user_inputs, batch, strict=True))
+        device = batch[0].device if batch else None
         for n in order:
             if n.op == "placeholder":
-                values[n] = given[n.name]
+                values[n] = given[n.name] if n.name in given else fixed[n.name].to(device)
                 continue
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: values[a])
             values[n] = _REPLAY.get(n.target, n.target)(*args, **kwargs)
-        return (values[target] != ignore_index).sum()
+        t = values[target]
+        kept = t != ignore_index
+        if weight is None:
+            return kept.sum()
+        w = values[weight]
+        return torch.where(kept, w[torch.where(kept, t, 0)], 0).sum(dtype=torch.float64)
 
     return count
 

@@ -6,7 +6,8 @@ stage program has one shape, and torch's stages receive into buffers of one shap
 two sizes run as two schedule steps, one after the other, each with its own stage
 programs over the same parameter shards (the smaller ones' graph captured at their size,
 `SmallerMicrobatches`). Microbatch i's loss is weighted by its share of the batch (its
-target): n_i / N of the rows, or for a mean cross-entropy its counted targets / the batch's
+target): n_i / N of the rows, or for a mean cross-entropy its counted targets (class-weighted:
+their weights) / the batch's
 (`runtime.loss_shares`: padding spread unevenly), and the schedules leave the gradients
 unscaled: the losses and gradients sum to the full batch's mean, as on one device.
 """
@@ -98,8 +99,10 @@ class PipelineModel(TrainingSteps):
         if smaller is not None:  # uneven microbatches: the smaller ones' own programs
             self.runs.append(self._smaller_run(smaller, full))
         # a microbatch's share of the batch's mean loss: its rows, or its counted targets
-        self.counters = [target_counter(captured)] + (
-            [target_counter(smaller.captured)] if smaller is not None else []
+        self.counters = [target_counter(captured, full)] + (
+            [target_counter(smaller.captured, _full_state(model, smaller.captured))]
+            if smaller is not None
+            else []
         )
         params = [p for m in self.modules.values() for p in m.shards]
         if self.zero is not None:
