@@ -2,7 +2,8 @@
 
     python benchmarks/megatron_weak_scaling.py [--rows 1.7b,7.1b] [--csv out.csv] [--full-plan]
 
-Rows (GPT, seq 4096, vocab 131072, bf16, 48-way data parallel in Megatron's runs): the
+Rows (GPT, seq 4096, vocab 131072, bf16, the cross-entropy on fp32 logits as Megatron-Core
+computes it, 48-way data parallel in Megatron's runs): the
 cluster is `dgx-h100` with 48 * TP * PP GPUs on its own mesh, so autopar's default call
 searches the layout (`autopar.planning.searches_layout`). For each row the layout search
 (`autopar.search.layouts`) picks pp / dp / tp / microbatches / schedule, and the same

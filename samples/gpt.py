@@ -33,6 +33,9 @@ class GPTConfig:
     layer_norm_eps: float = 1e-5
     tie_embeddings: bool = True  # lm_head shares wte's weight (GPT-2); Megatron unties them
     dtype: str = "float32"  # parameter dtype; "bfloat16" for the Megatron-scale configs
+    # the cross-entropy on float32 logits (Megatron-Core's casts its logits so:
+    # `VocabParallelCrossEntropy.calculate_logits_max`), whatever the parameters' dtype
+    loss_in_fp32: bool = False
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
@@ -99,6 +102,7 @@ GPT_CONFIGS.update(
             bias=False,
             tie_embeddings=False,
             dtype="bfloat16",
+            loss_in_fp32=True,
         )
         for size, (hidden, layers, heads) in MEGATRON_SHAPES.items()
     }
@@ -198,6 +202,8 @@ class GPT(nn.Module):
 
     def forward(self, idx: Tensor, targets: Tensor) -> Tensor:
         logits = self.logits(idx)
+        if self.config.loss_in_fp32:
+            logits = logits.float()
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
     def logits(self, idx: Tensor) -> Tensor:
