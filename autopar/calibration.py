@@ -111,7 +111,13 @@ SIZES: dict[str, dict[str, Any]] = {
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 _SLOW_S = 0.02  # one matmul slower than this: larger sizes of its dtype are skipped
-_SUSTAIN_S, _MAX_CALLS = 0.05, 1000  # a timed compute rep: a loop of calls this long
+# a timed rep: a loop of calls lasting this long, per size mode (`_worker` sets it). Where
+# processes share cores, loops of 0.05 s measured a 512^2 matmul at 56-62 GF/s per rank
+# and loops of 0.25-1 s at 51-54 (4 processes, 2 cores, alternated): a short loop's rate
+# gains from the ranks that finish first (their cores go to the others); a training step's
+# matmuls of a layer's shapes ran at ~50 there
+_SUSTAIN_S = {"tiny": 0.05, "quick": 0.25, "gpu": 0.25}
+_sustain_s, _MAX_CALLS = 0.05, 5000
 _POOL_BYTES = 64 * 2**20  # memory-bound inputs cycled beyond a CPU's or a GPU's last cache
 
 
@@ -186,6 +192,8 @@ class _Progress:
 def _worker(
     rank: int, world: int, port: int, backend: str, mesh, names, sizes: str, out: str, show: bool
 ) -> None:
+    global _sustain_s
+    _sustain_s = _SUSTAIN_S[sizes]
     init_rank(rank, world, port, backend)
     try:
         from torch.distributed.device_mesh import init_device_mesh
@@ -251,9 +259,9 @@ def _timed_in_turns(
 
 
 def _calls_lasting(one_call_s: float, device: str) -> int:
-    """Calls of a ``one_call_s`` op that last ``_SUSTAIN_S``, the same on every rank (the
+    """Calls of a ``one_call_s`` op that last ``_sustain_s``, the same on every rank (the
     fewest any rank asks for)."""
-    t = torch.tensor([math.ceil(_SUSTAIN_S / max(one_call_s, 1e-7))], device=device)
+    t = torch.tensor([math.ceil(_sustain_s / max(one_call_s, 1e-7))], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(min(max(t.item(), 1), _MAX_CALLS))
 
