@@ -34,6 +34,8 @@ next; timed as loops they agree within ~15%):
   read + write per size over the fastest (``memory_bandwidth``), never rising with size
   (on CPU the largest, 64 MiB, is past glibc's mmap threshold, so each output is freshly
   mapped as a step's large tensors are: 2.3-2.5 GB/s, where a few MiB streamed 8-14);
+  the same in place (``x.mul_(2)``, as an optimizer's kernels write): the median rate
+  over the sizes, ``memory_in_place`` (17-29 GB/s there, no fresh mapping at any size);
 * ``launch_overhead``: a one-element op;
 * fused attention (``scaled_dot_product_attention``, 4 heads of 64) at twice the largest
   matmul side, and at an eighth of it with 8 times the batch: the two rates over the
@@ -297,9 +299,10 @@ def _measure(device: str, dmesh, names, cfg: dict[str, Any], bar: _Progress) -> 
         a = torch.randn(d, width, device=device)
         skinny.append((d, 2.0 * d * width * width, _timed(lambda a=a: a @ w, device, reps)))
         bar.step(f"matmul float32 {d} x {width}")
-    memory = []
+    memory, in_place = [], []
     for numel in cfg["memory"]:
         memory.append(_streamed(numel, device, reps))
+        in_place.append(_streamed(numel, device, reps, in_place=True))
         bar.step(f"memory-bound {numel * 4 >> 10} KiB")
     attention = _attention(device, cfg, reps)
     bar.step("attention")
@@ -314,19 +317,23 @@ def _measure(device: str, dmesh, names, cfg: dict[str, Any], bar: _Progress) -> 
         "skinny": skinny,
         "memory": memory,
         "memory_method": "streamed",
+        "memory_in_place": in_place,
         **attention,
         "comm": comm,
         "overlap": overlap,
     }
 
 
-def _streamed(numel: int, device: str, reps: int) -> tuple[float, float, float]:
+def _streamed(
+    numel: int, device: str, reps: int, in_place: bool = False
+) -> tuple[float, float, float]:
     """(bytes, seconds, bytes/s) of ``y = x * 2`` on ``numel`` float32 elements as a
     training step's elementwise ops run: each input one of a pool read long ago (not from
     a cache), each output a new tensor while the pool's last outputs stay alive (the
     allocator hands out memory not touched lately; on CPU, past glibc's mmap threshold, a
     fresh mapping). A hot ``x * 2`` on one tensor ran 68-100 GB/s up to 8 MiB on a 2-core
-    CPU, where a step's elementwise ops ran 8-14."""
+    CPU, where a step's elementwise ops ran 8-14. ``in_place``: ``x.mul_(2)``, no new
+    tensor (an optimizer's kernels)."""
     count = max(2, -(-_POOL_BYTES // (numel * 4)))
     inputs = [torch.randn(numel, device=device) for _ in range(count)]
     outputs: list[torch.Tensor | None] = [None] * count
@@ -334,7 +341,10 @@ def _streamed(numel: int, device: str, reps: int) -> tuple[float, float, float]:
 
     def call() -> None:
         i = next(turn) % count
-        outputs[i] = inputs[i] * 2
+        if in_place:
+            inputs[i].mul_(2)
+        else:
+            outputs[i] = inputs[i] * 2
 
     t = _timed(call, device, reps)
     return 2.0 * numel * 4, t, 2.0 * numel * 4 / t

@@ -44,6 +44,7 @@ def cluster_from_measurements(
         m["memory_bytes"],
         bandwidth,
         memory_curve=curve,
+        memory_in_place=statistics.median(r for _, _, r in m.get("memory_in_place") or [[0, 0, 0]]),
         matmul_half_flops=half,
         matmul_half_dim=thin,
         attention_efficiency=max(attention, 1e-6),

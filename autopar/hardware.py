@@ -33,6 +33,7 @@ _DEVICE_FIELDS = (
     "memory_efficiency",
     "launch_overhead",
     "overlap_efficiency",
+    "memory_in_place",
 )
 
 
@@ -137,6 +138,10 @@ class DeviceSpec:
     # every size at memory_efficiency). On a CPU a kernel of a few MiB streams from memory
     # 4x faster than one whose output is a fresh mapping (past glibc's mmap threshold).
     memory_curve: tuple[tuple[float, float], ...] = ()
+    # bytes/s of a memory-bound kernel that writes into one of its inputs (an optimizer's
+    # `mul_`, `lerp_`: no new tensor, so no fresh mapping at any size; 0: `memory_rate`).
+    # 4 CPU processes on 2 cores: 17-29 GB/s, where a new output ran 10-13 (2.5 at 64 MiB)
+    memory_in_place: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -154,7 +159,7 @@ class DeviceSpec:
         for name in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
             object.__setattr__(self, name, _fraction(getattr(self, name), name))
         for name in (
-            *("matmul_half_flops", "matmul_half_dim", "launch_overhead"),
+            *("matmul_half_flops", "matmul_half_dim", "launch_overhead", "memory_in_place"),
             *("attention_half_seq", "attention_block"),
         ):
             object.__setattr__(self, name, _non_negative(getattr(self, name), name))
@@ -164,10 +169,13 @@ class DeviceSpec:
         object.__setattr__(self, "overlap_efficiency", overlap)
         object.__setattr__(self, "memory_curve", _memory_curve(self.memory_curve))
 
-    def memory_rate(self, nbytes: float) -> float:
+    def memory_rate(self, nbytes: float, in_place: bool = False) -> float:
         """Bytes/s a memory-bound kernel moving ``nbytes`` achieves: ``memory_curve``
         interpolated in log-log between its sizes (flat beyond its ends), or
-        ``memory_efficiency`` of the bandwidth where the device has no curve."""
+        ``memory_efficiency`` of the bandwidth where the device has no curve; a kernel
+        writing ``in_place`` at ``memory_in_place`` where the device has that figure."""
+        if in_place and self.memory_in_place:
+            return self.memory_in_place
         curve = self.memory_curve
         if not curve:
             return self.memory_bandwidth * self.memory_efficiency

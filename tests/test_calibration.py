@@ -174,6 +174,14 @@ def test_streamed_memory_runs_give_a_size_curve() -> None:
     assert device.memory_rate(1.6e7) == pytest.approx(9e9)
     assert rates[-2] == rates[-1] == pytest.approx(2.5e9)  # flat past the largest size
     assert 2.5e9 < device.memory_rate(6e7) < 9e9  # log-log between the sizes
+    assert device.memory_in_place == 0.0  # none measured: in place as any other kernel
+    assert device.memory_rate(1e6, in_place=True) == device.memory_rate(1e6)
+    rates = [[1e6, 0, 1.7e10], [1.6e7, 0, 1.9e10], [1.3e8, 0, 2.9e10]]
+    fast = cluster_from_measurements(
+        m | {"memory_method": "streamed", "memory_in_place": rates}, (2,), ("dp",), "gloo"
+    ).device
+    assert fast.memory_in_place == 1.9e10  # the median over the sizes
+    assert fast.memory_rate(1.3e8, in_place=True) == 1.9e10 > fast.memory_rate(1.3e8)
     again = Cluster.from_dict(
         cluster_from_measurements(
             m | {"memory_method": "streamed"}, (2,), ("dp",), "gloo"

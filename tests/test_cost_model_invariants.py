@@ -59,7 +59,7 @@ def _clusters() -> list[Cluster]:
     # and its memory-bound kernels by size (`DeviceSpec.memory_curve`): a few MiB stream
     # from memory, a fresh 64 MiB output is mapped page by page
     curve = ((5e5, 1.0), (2e6, 1.0), (8e6, 0.9), (1.3e8, 0.25))
-    device = replace(cpu.device, name="calibrated", memory_curve=curve)
+    device = replace(cpu.device, name="calibrated", memory_curve=curve, memory_in_place=2e10)
     out.append(replace(cpu, device=device, links=(slow, slow)))
     return out
 

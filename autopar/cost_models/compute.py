@@ -362,10 +362,12 @@ def compute_time(
     kernels: int = 1,
     min_dim: float | None = None,
     keys: tuple[float, bool] | None = None,
+    in_place: bool = False,
 ) -> float:
     """Seconds of ``kernels`` kernels of class ``op`` doing ``flops`` and moving ``nbytes``
-    in total (see the module docstring; ``min_dim``, ``keys``: `compute_efficiency`);
-    0 work costs nothing."""
+    in total (see the module docstring; ``min_dim``, ``keys``: `compute_efficiency`;
+    ``in_place``: each writes into an input, `DeviceSpec.memory_rate`); 0 work costs
+    nothing."""
     if flops <= 0 and nbytes <= 0:
         return 0.0
     device = cluster.device
@@ -374,7 +376,7 @@ def compute_time(
     return (
         max(
             flops / (device.peak_flops_for(dtype) * eff),
-            nbytes / device.memory_rate(nbytes / k),
+            nbytes / device.memory_rate(nbytes / k, in_place),
         )
         + k * device.launch_overhead
     )
