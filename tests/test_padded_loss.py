@@ -12,7 +12,7 @@ import torch
 
 from autopar.capture import capture
 from autopar.cli.sources import load_model
-from autopar.runtime.loss_shares import loss_shares, target_counter
+from autopar.runtime.loss_shares import loss_shares, target_counter, weighted_mean_loss
 from autopar.testing.parity import LR, ParityCase, Tolerance, check, run_parity
 
 SOURCE = "tests/models/padded_gpt.py:build"
@@ -90,3 +90,26 @@ def test_a_class_weighted_mean_counts_its_targets_weights() -> None:
     expected = model.class_weight[targets[kept]].double().sum()
     torch.testing.assert_close(counter(batch), expected)
     assert target_counter(captured) is None  # its weight unknown: rows, as before
+
+
+def test_class_weights_read_from_a_parameter_are_not_counted() -> None:
+    # weights computed from a parameter (detached: a loss takes no gradient in its weight)
+    # move every step: not read ahead (the pipeline warns that its microbatches weigh by
+    # rows, `PipelineModel`)
+    model, batch = load_model(SOURCE, "tiny-weighted", 8)
+    model.learned = torch.nn.Parameter(model.class_weight.clone())
+    model.class_weight = None
+
+    def forward(idx, targets):
+        logits = model.logits(idx).view(-1, model.config.vocab_size)
+        weight = model.learned.detach().exp()
+        return torch.nn.functional.cross_entropy(logits, targets.view(-1), weight=weight)
+
+    model.forward = forward
+    captured = capture(model, batch)
+    assert weighted_mean_loss(captured)
+    state = dict(model.named_parameters())
+    known = {name: state[fqn] for name, fqn in captured.params.items()}
+    assert target_counter(captured, known) is None
+    plain, plain_batch = load_model(SOURCE, "tiny", 8)
+    assert not weighted_mean_loss(capture(plain, plain_batch))

@@ -89,6 +89,12 @@ def target_counter(
     return count
 
 
+def weighted_mean_loss(captured: Captured) -> bool:
+    """Whether the graph's loss is a class-weighted mean NLL (`cross_entropy(weight=w)`)."""
+    loss = _loss_node(captured.gm.graph)
+    return loss is not None and loss.args[2] is not None and loss.args[3] == _MEAN
+
+
 def loss_shares(
     rows: Sequence[int], counters: Sequence[Counter | None], runs: Sequence[Sequence[Sequence]]
 ) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,7 @@ from autopar.devices import device_mesh
 from autopar.passes.precision import ParamBoundary, flat_shard
 from autopar.passes.stages import split_stages
 from autopar.plan import SCHEDULES, Plan, mixed_shapes, parse_spec, stage_ranks
-from autopar.runtime.loss_shares import loss_shares, target_counter
+from autopar.runtime.loss_shares import loss_shares, target_counter, weighted_mean_loss
 from autopar.runtime.memory_stats import optimizer_state_tensors
 from autopar.runtime.optimizer import LossScaler, ParamGather, ParamState
 from autopar.runtime.parallel_model import OptimizerFactory, TrainingSteps
@@ -104,6 +105,8 @@ class PipelineModel(TrainingSteps):
             if smaller is not None
             else []
         )
+        if None in self.counters and weighted_mean_loss(captured):
+            warnings.warn(_ROWS_FOR_WEIGHTS, stacklevel=3)
         params = [p for m in self.modules.values() for p in m.shards]
         if self.zero is not None:
             self.optimizer = self.zero.optimizer
@@ -363,6 +366,15 @@ def _complete(module: StageModule, index: int, grad: torch.Tensor, mesh: DeviceM
     for axis, q in enumerate(module.grad_placements.get(index, ())):
         if q.is_partial():
             dist.all_reduce(grad, group=mesh.get_group(axis))
+
+
+_ROWS_FOR_WEIGHTS = (
+    "the loss is a class-weighted mean whose weights autopar cannot read before the step "
+    "(a parameter, or computed from one): each microbatch weighs by its rows, not by its "
+    "targets' weights, so the loss and gradients differ from one device's where the "
+    "microbatches' targets weigh differently. Fix: hold the class weights in a buffer "
+    "(register_buffer) or a constant tensor"
+)
 
 
 def _full_state(model: nn.Module, captured: Captured) -> dict[str, torch.Tensor]:
