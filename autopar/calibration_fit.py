@@ -44,7 +44,7 @@ def cluster_from_measurements(
         m["memory_bytes"],
         bandwidth,
         memory_curve=curve,
-        memory_in_place=statistics.median(r for _, _, r in m.get("memory_in_place") or [[0, 0, 0]]),
+        memory_in_place=_in_place_rate(m),
         matmul_half_flops=half,
         matmul_half_dim=thin,
         attention_efficiency=max(attention, 1e-6),
@@ -109,6 +109,12 @@ def _memory_curve(m: dict[str, Any]) -> tuple[float, tuple[tuple[float, float], 
     top = rates[0]
     curve = tuple((b, min(1.0, r / top)) for (b, _), r in zip(rows, rates, strict=True))
     return top, curve
+
+
+def _in_place_rate(m: dict[str, Any]) -> float:
+    """`DeviceSpec.memory_in_place`: the median rate of the in-place runs (0: none)."""
+    runs = m.get("memory_in_place") or []
+    return statistics.median(rate for _, _, rate in runs) if runs else 0.0
 
 
 def _half_dim(skinny: list, peak: float, launch: float) -> float:
