@@ -36,6 +36,10 @@ next; timed as loops they agree within ~15%):
   mapped as a step's large tensors are: 2.3-2.5 GB/s, where a few MiB streamed 8-14);
   the same in place (``x.mul_(2)``, as an optimizer's kernels write): the median rate
   over the sizes, ``memory_in_place`` (17-29 GB/s there, no fresh mapping at any size);
+* the elementwise ops whose arithmetic may bound them (gelu, silu, sigmoid, tanh, softmax,
+  log-softmax and their backwards: ``cost_models.compute.RATED_BACKWARD``), streamed as
+  above at one size: ``op_rates``, elements/s less the launch (on a 2-core CPU gelu ran
+  ~2 G elements/s where ``x * 2`` ran ~7: transcendental math, not bytes, bounds it);
 * ``launch_overhead``: a one-element op;
 * fused attention (``scaled_dot_product_attention``, 4 heads of 64) at twice the largest
   matmul side, and at an eighth of it with 8 times the batch: the two rates over the
@@ -89,6 +93,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "matmul": (32, 64),
         "skinny": ((8, 16), 64),
         "memory": (2**12, 2**14),
+        "rated": 2**12,
         "comm": (2**10, 2**14),
         "reps": 2,
     },
@@ -99,6 +104,7 @@ SIZES: dict[str, dict[str, Any]] = {
         # up to 64 MiB: above glibc's largest mmap threshold (32 MiB) a new output is a
         # fresh mapping, written page fault by page fault, as a step's large tensors are
         "memory": (2**16, 2**18, 2**20, 2**22, 2**24),
+        "rated": 2**20,  # 4 MiB, a step's activation of a small layer
         "comm": (2**10, 2**14, 2**18, 2**21, 2**24),  # up to 16 MiB: the bandwidth shows
         "reps": 3,
     },
@@ -106,6 +112,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "matmul": (512, 1024, 2048, 4096, 8192),
         "skinny": ((32, 64, 128, 256, 512), 8192),
         "memory": (2**20, 2**24, 2**27),
+        "rated": 2**26,
         "comm": (2**14, 2**20, 2**24, 2**27),
         "reps": 5,
     },
@@ -203,7 +210,7 @@ def _worker(
         device = process_group_device(backend)
         dmesh = init_device_mesh(device, tuple(mesh), mesh_dim_names=tuple(names))
         cfg = SIZES[sizes]
-        total = 2 + len(cfg["matmul"]) * len(_DTYPES) + len(cfg["memory"])
+        total = 3 + len(cfg["matmul"]) * len(_DTYPES) + len(cfg["memory"])
         total += len(cfg["skinny"][0])
         total += len(names) * len(cfg["comm"]) * (len(_KINDS) + 1) + 1
         bar = _Progress(total, show and rank == 0)
@@ -304,6 +311,8 @@ def _measure(device: str, dmesh, names, cfg: dict[str, Any], bar: _Progress) -> 
         memory.append(_streamed(numel, device, reps))
         in_place.append(_streamed(numel, device, reps, in_place=True))
         bar.step(f"memory-bound {numel * 4 >> 10} KiB")
+    rated = _op_rates(cfg["rated"], device, reps)
+    bar.step("elementwise ops' arithmetic")
     attention = _attention(device, cfg, reps)
     bar.step("attention")
     comm = {name: _measure_axis(device, dmesh, name, cfg, bar) for name in names}
@@ -318,6 +327,7 @@ def _measure(device: str, dmesh, names, cfg: dict[str, Any], bar: _Progress) -> 
         "memory": memory,
         "memory_method": "streamed",
         "memory_in_place": in_place,
+        "op_rates": rated,
         **attention,
         "comm": comm,
         "overlap": overlap,
@@ -378,6 +388,46 @@ def _overlap(device: str, cfg: dict[str, Any]) -> list[float]:
         _timed(f, device, reps, dist.group.WORLD)
         for f in (compute, lambda: dist.all_reduce(full), both)
     ]
+
+
+def _op_rates(numel: int, device: str, reps: int) -> dict[str, tuple[int, float]]:
+    """Per ATen op whose arithmetic may bound it (`cost_models.compute.RATED_BACKWARD`:
+    gelu, silu, sigmoid, tanh, softmax, log-softmax and their backwards), (elements,
+    seconds) of one call on ``numel`` float32 elements streamed as `_streamed` streams
+    them (softmaxes over rows of 1024), timed in turns."""
+    aten = torch.ops.aten
+    count = max(3, -(-_POOL_BYTES // (numel * 4)))
+    pool = [torch.randn(numel // 1024, 1024, device=device) for _ in range(count)]
+    kept: list[Any] = [None] * count
+    calls = {
+        "gelu": lambda x, g: aten.gelu(x),
+        "gelu_backward": lambda x, g: aten.gelu_backward(g, x),
+        "gelu[tanh]": lambda x, g: aten.gelu(x, approximate="tanh"),
+        "gelu_backward[tanh]": lambda x, g: aten.gelu_backward(g, x, approximate="tanh"),
+        "silu": lambda x, g: aten.silu(x),
+        "silu_backward": lambda x, g: aten.silu_backward(g, x),
+        "sigmoid": lambda x, g: aten.sigmoid(x),
+        "sigmoid_backward": lambda x, g: aten.sigmoid_backward(g, x),
+        "tanh": lambda x, g: aten.tanh(x),
+        "tanh_backward": lambda x, g: aten.tanh_backward(g, x),
+        "_softmax": lambda x, g: aten._softmax(x, -1, False),
+        "_softmax_backward_data": lambda x, g: aten._softmax_backward_data(g, x, -1, x.dtype),
+        "_log_softmax": lambda x, g: aten._log_softmax(x, -1, False),
+        "_log_softmax_backward_data": lambda x, g: aten._log_softmax_backward_data(
+            g, x, -1, x.dtype
+        ),
+    }
+    turn = iter(range(1 << 62))
+
+    def streamed(op: Callable[[torch.Tensor, torch.Tensor], Any]) -> Callable[[], None]:
+        def call() -> None:
+            i = next(turn) % count
+            kept[i] = op(pool[i], pool[i - 1])
+
+        return call
+
+    times = _timed_in_turns([streamed(op) for op in calls.values()], device, reps)
+    return {name: (numel // 1024 * 1024, t) for name, t in zip(calls, times, strict=True)}
 
 
 def _attention(device: str, cfg: dict[str, Any], reps: int) -> dict[str, Any]:

@@ -52,6 +52,10 @@ def cluster_from_measurements(
         attention_block=block,
         launch_overhead=launch,
         overlap_efficiency=overlap_efficiency(*m["overlap"]) if "overlap" in m else 1.0,
+        # elements/s of each measured op, its launch taken out (a file from before: none)
+        op_rates=tuple(
+            (op, n / max(t - launch, 1e-12)) for op, (n, t) in m.get("op_rates", {}).items()
+        ),
     )
     links = tuple(
         _fit_link(m["comm"][name], n, backend) for name, n in zip(names, mesh, strict=True)

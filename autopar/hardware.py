@@ -142,6 +142,12 @@ class DeviceSpec:
     # `mul_`, `lerp_`: no new tensor, so no fresh mapping at any size; 0: `memory_rate`).
     # 4 CPU processes on 2 cores: 17-29 GB/s, where a new output ran 10-13 (2.5 at 64 MiB)
     memory_in_place: float = 0.0
+    # elements/s of the elementwise ops whose arithmetic, not their bytes, bounds them, by
+    # ATen op name (`autopar calibrate` measures them; empty: every op by its bytes). A
+    # CPU's gelu, silu, softmax run 2-4x below the rate their bytes allow (transcendental
+    # math: 4 processes on 2 cores, gelu + gelu_backward 12.7 ms of a GPT step priced 3.4);
+    # a GPU's special-function units keep them memory-bound
+    op_rates: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -168,6 +174,15 @@ class DeviceSpec:
             raise ValueError(f"overlap_efficiency must be in [0, 1], got {overlap!r}")
         object.__setattr__(self, "overlap_efficiency", overlap)
         object.__setattr__(self, "memory_curve", _memory_curve(self.memory_curve))
+        rates = {str(k): _positive(v, f"op_rates[{k!r}]") for k, v in dict(self.op_rates).items()}
+        object.__setattr__(self, "op_rates", tuple(sorted(rates.items())))
+
+    def op_rate(self, name: str) -> float:
+        """Elements/s measured for the ATen op ``name`` (``op_rates``); 0: none measured."""
+        for op, rate in self.op_rates:
+            if op == name:
+                return rate
+        return 0.0
 
     def memory_rate(self, nbytes: float, in_place: bool = False) -> float:
         """Bytes/s a memory-bound kernel moving ``nbytes`` achieves: ``memory_curve``
@@ -199,13 +214,16 @@ class DeviceSpec:
         }
         if self.memory_curve:
             out["memory_curve"] = [list(point) for point in self.memory_curve]
+        if self.op_rates:
+            out["op_rates"] = dict(self.op_rates)
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DeviceSpec:
         curve = tuple(tuple(point) for point in data.get("memory_curve", ()))
         fields = {f: data[f] for f in _DEVICE_FIELDS if f in data}
-        return cls(data["name"], data["peak_flops"], **fields, memory_curve=curve)
+        rates = tuple(dict(data.get("op_rates", {})).items())
+        return cls(data["name"], data["peak_flops"], **fields, memory_curve=curve, op_rates=rates)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from autopar.cli import app
 from autopar.cli.args import make_cluster
 from autopar.cluster import Cluster, Link
 from autopar.cost_models.comm import collective_time, send_recv_time
+from autopar.cost_models.compute import RATED_BACKWARD
 from autopar.cost_models.reshard import launch as launch_time
 from autopar.devices import choose_backend
 
@@ -140,6 +141,9 @@ def test_calibrate_command_writes_a_loadable_cluster(tmp_path: Path) -> None:
     assert cluster.links[0].bandwidth > 0 and cluster.device.launch_overhead > 0
     raw = json.loads(out.read_text())
     assert {"matmul", "skinny", "memory", "comm", "overlap", "taken_at"} <= set(raw["calibration"])
+    # every rated op and its backward measured (`cost_models.compute.RATED_BACKWARD`)
+    rated = {*RATED_BACKWARD, *RATED_BACKWARD.values()}
+    assert {op for op, rate in cluster.device.op_rates if rate > 0} == rated
     assert cluster.device.matmul_half_dim >= 0
     assert cluster.device.attention_half_seq >= 0 and cluster.device.attention_block >= 0
     assert 0.0 <= calibration_age_hours(out) < 1.0  # dated: a calibration is of its day
@@ -188,3 +192,28 @@ def test_streamed_memory_runs_give_a_size_curve() -> None:
         ).to_dict()
     )
     assert again.device == device and again.device.memory_curve == device.memory_curve
+
+
+def test_op_rates_are_elements_per_second_without_the_launch() -> None:
+    """Each measured op's rate is its elements over one call's time less the launch; a
+    file from before has none (every op priced by its bytes)."""
+    m = {
+        "device_name": "x",
+        "memory_bytes": 1e9,
+        "launch_s": 5e-6,
+        "matmul": {"float32": [[1e6, 1e-4, 1e10], [1e9, 2e-2, 5e10]]},
+        "memory": [[1e6, 0, 8e9], [1.3e8, 0, 2.5e9]],
+        "comm": {"dp": _synthetic(Link(2e9, 30e-6), 2)},
+    }
+    assert cluster_from_measurements(m, (2,), ("dp",), "gloo").device.op_rates == ()
+    rates = {"gelu": [2**20, 5e-4 + 5e-6], "gelu_backward": [2**20, 4e-4 + 5e-6]}
+    device = cluster_from_measurements(m | {"op_rates": rates}, (2,), ("dp",), "gloo").device
+    assert device.op_rate("gelu") == pytest.approx(2**20 / 5e-4)
+    assert device.op_rate("gelu_backward") == pytest.approx(2**20 / 4e-4)
+    assert device.op_rate("exp") == 0.0  # not measured
+    assert (
+        Cluster.from_dict(
+            Cluster(device, (2,), ("dp",), (Link(1e9, 0),), "gloo", 2).to_dict()
+        ).device
+        == device
+    )

@@ -163,6 +163,9 @@ def test_efficiency_validation() -> None:
     for curve in (((2e6, 1.0), (1e6, 0.5)), ((1e6, 0.5), (2e6, 0.6)), ((1e6, 1.5),)):
         with pytest.raises(ValueError, match="memory_curve"):
             DeviceSpec("x", {"float32": 1e12}, 1e9, 1e9, memory_curve=curve)
+    for rate in (0.0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="op_rates"):
+            DeviceSpec("x", {"float32": 1e12}, 1e9, 1e9, op_rates=(("gelu", rate),))
 
 
 def test_local_without_process_group(monkeypatch) -> None:

@@ -59,7 +59,11 @@ def _clusters() -> list[Cluster]:
     # and its memory-bound kernels by size (`DeviceSpec.memory_curve`): a few MiB stream
     # from memory, a fresh 64 MiB output is mapped page by page
     curve = ((5e5, 1.0), (2e6, 1.0), (8e6, 0.9), (1.3e8, 0.25))
-    device = replace(cpu.device, name="calibrated", memory_curve=curve, memory_in_place=2e10)
+    # and its arithmetic-bound elementwise ops (`DeviceSpec.op_rates`, elements/s)
+    rates = (("gelu", 2e9), ("gelu_backward", 2.2e9), ("_softmax", 2.3e9))
+    device = replace(
+        cpu.device, name="calibrated", memory_curve=curve, memory_in_place=2e10, op_rates=rates
+    )
     out.append(replace(cpu, device=device, links=(slow, slow)))
     return out
 
@@ -180,6 +184,47 @@ def test_compute_time_grows_with_work(cluster: Cluster) -> None:
         floor = max(f / cluster.device.peak_flops_for(dtype), b / cluster.device.memory_bandwidth)
         assert compute.compute_time(f, b, dtype, cluster, op=op) >= floor
     assert compute.compute_time(0.0, 0.0, "float32", cluster) == 0.0
+
+
+def test_a_measured_op_rate_bounds_its_op_from_below() -> None:
+    """An op with a measured rate (and its backward's) costs at least its elements at
+    those rates, never less than by its bytes alone; an op without one, and every op on a
+    device without rates (the GPU presets), as before; a plan on a device whose gelu is
+    slower predicts a slower step."""
+    import autopar
+    from autopar.capture import capture
+    from autopar.planning import fake_group
+    from samples import get_sample
+
+    sample = get_sample("gpt")
+    model = sample.build("tiny", device="meta")
+    batch = sample.example_batch(model, 8, device="meta")
+    gm = capture(model, batch).gm
+    gelu = next(n for n in gm.graph.nodes if getattr(n.target, "_opname", "") == "gelu")
+    add = next(n for n in gm.graph.nodes if getattr(n.target, "_opname", "") == "add")
+    cpu = Cluster.preset("cpu", mesh=(4,))
+    # GPT-2's gelu is the tanh approximation: its own rate, not the exact gelu's
+    exact = replace(cpu.device, op_rates=(("gelu", 1e8), ("gelu_backward", 5e7)))
+    assert compute.rated_seconds(gelu, exact, 1.0, backward=True) == 0.0
+    rates = (("gelu[tanh]", 1e8), ("gelu_backward[tanh]", 5e7))
+    slow = replace(cpu, device=replace(cpu.device, op_rates=rates))
+    elements = gelu.meta["val"].numel()
+    both = compute.rated_seconds(gelu, slow.device, 0.5, backward=True)
+    assert both == pytest.approx(elements / 2 / 1e8 + elements / 2 / 5e7)
+    forward = compute.rated_seconds(gelu, slow.device, 0.5, backward=False)
+    assert forward == pytest.approx(elements / 2 / 1e8)
+    assert compute.rated_seconds(add, slow.device, 1.0, backward=True) == 0.0
+    for name in PRESETS:
+        assert compute.rated_seconds(gelu, Cluster.preset(name).device, 1.0, True) == 0.0
+    by_bytes = compute.compute_time(1e6, 8e6, "float32", slow, op="memory")
+    rated = compute.compute_time(1e6, 8e6, "float32", slow, op="memory", rated=both)
+    assert rated >= max(by_bytes, both) and rated >= both
+    steps = []
+    for cluster in (cpu, slow):
+        with fake_group(4):
+            plan = autopar.plan(model, batch, cluster=cluster, strategy="dp")
+        steps.append(plan.predicted_step_time)
+    assert steps[1] > steps[0]
 
 
 MIB = 1024 * 1024

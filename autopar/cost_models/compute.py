@@ -41,7 +41,10 @@ else, whose arithmetic intensity puts them on the bandwidth side; their FLOP sid
 peak) stream at ``memory_efficiency`` of the HBM bandwidth, as every class's bytes do, or
 at the rate ``DeviceSpec.memory_curve`` gives a kernel of their size (bytes / kernels). The
 figures live on ``DeviceSpec`` (presets: published measurements; ``autopar calibrate``:
-this machine's). All efficiencies are in (0, 1].
+this machine's). All efficiencies are in (0, 1]. An elementwise op whose arithmetic is
+slower than its bytes (a CPU's gelu, silu, softmax: transcendental math) takes at least
+its elements at the rate the device measured for it and its backward's op
+(``rated_seconds``, ``DeviceSpec.op_rates``; the GPU presets have none).
 ``backward_factor``: backward FLOPs / forward FLOPs: 2 for matmuls and convolutions (grad of
 input and of weight), 2.5 for attention (flash backward recomputes ``QK^T``: 5 matmuls vs 2),
 1 otherwise. ``backward_bytes_factor``: backward bytes / forward bytes: 2 for matmuls (each
@@ -67,6 +70,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 from autopar.capture.operands import operands
 from autopar.capture.regions import spec_of
 from autopar.cluster import Cluster
+from autopar.hardware import DeviceSpec
 
 # a region's backward runs its forward again (1) and differentiates it (2)
 REGION_BACKWARD_FACTOR = 3.0
@@ -78,6 +82,7 @@ __all__ = [
     "compute_efficiency",
     "compute_time",
     "entry_bytes",
+    "rated_seconds",
     "matmul_dims",
     "shard_count",
     "smallest_local_dim",
@@ -363,10 +368,12 @@ def compute_time(
     min_dim: float | None = None,
     keys: tuple[float, bool] | None = None,
     in_place: bool = False,
+    rated: float = 0.0,
 ) -> float:
     """Seconds of ``kernels`` kernels of class ``op`` doing ``flops`` and moving ``nbytes``
     in total (see the module docstring; ``min_dim``, ``keys``: `compute_efficiency`;
-    ``in_place``: each writes into an input, `DeviceSpec.memory_rate`); 0 work costs
+    ``in_place``: each writes into an input, `DeviceSpec.memory_rate`), or the ``rated``
+    seconds their arithmetic takes where that is longer (`rated_seconds`); 0 work costs
     nothing."""
     if flops <= 0 and nbytes <= 0:
         return 0.0
@@ -377,9 +384,42 @@ def compute_time(
         max(
             flops / (device.peak_flops_for(dtype) * eff),
             nbytes / device.memory_rate(nbytes / k, in_place),
+            rated,
         )
         + k * device.launch_overhead
     )
+
+
+# the ATen op each rated op's backward runs (both measured: `DeviceSpec.op_rates`)
+RATED_BACKWARD = {
+    "gelu": "gelu_backward",
+    "gelu[tanh]": "gelu_backward[tanh]",  # GPT-2's tanh approximation: its own rate
+    "silu": "silu_backward",
+    "sigmoid": "sigmoid_backward",
+    "tanh": "tanh_backward",
+    "_softmax": "_softmax_backward_data",
+    "_log_softmax": "_log_softmax_backward_data",
+}
+
+
+def rated_seconds(node: Node, device: DeviceSpec, fraction: float, backward: bool) -> float:
+    """Seconds ``fraction`` of the node's output elements take at the rate the device
+    measured for its op (and, with ``backward``, its backward's op: `RATED_BACKWARD`);
+    0 where the device has no such rate (every GPU preset: their elementwise ops are
+    bound by their bytes)."""
+    if not device.op_rates or node.op != "call_function":
+        return 0.0
+    name = getattr(node.target, "_opname", "")
+    if node.kwargs.get("approximate") == "tanh":
+        name += "[tanh]"
+    rates = [device.op_rate(name)]
+    if backward:
+        rates.append(device.op_rate(RATED_BACKWARD.get(name, "")))
+    if not all(rates):
+        return 0.0
+    out = _tensors(node.meta.get("val"))
+    elements = out[0].numel() * fraction if out else 0.0
+    return sum(elements / rate for rate in rates)
 
 
 def node_time(node: Node, cluster: Cluster, *, fraction: float = 1.0) -> float:

@@ -1,7 +1,7 @@
 """Prices of strategies and resharding edges for the intra-op ILP, in seconds and bytes.
 
-node cost  = roofline(flops * (1 + backward_factor) / split,
-                      bytes * (1 + backward_bytes_factor) / split) where
+node cost  = roofline(flops * (1 + backward_factor) / split, bytes * (1 + backward_bytes_factor)
+                      / split, the op's measured rate: `compute.rated_seconds`) where
              `split` = product of the sizes of the mesh axes on which the strategy divides the
              work (some input or output Shard or Partial on that axis), over
              `rules.attention.work_factor` (2 for causal attention split on the sequence
@@ -9,8 +9,7 @@ node cost  = roofline(flops * (1 + backward_factor) / split,
              K/V passes as it runs them, overlapped step by step, and its causal split's
              swaps with the partner rank, not overlapped (`cost_models.ring`); a region
              whose experts are split on an axis adds its all-to-alls (`REGION_EXCHANGES`).
-forward    = roofline(flops / split, bytes / split): `forward_time`, what recomputing the node
-             in backward costs (`autopar.search.levers`).
+forward    = its forward share: `forward_time`, what recomputing it costs (`search.levers`).
 edge cost  = redistribute(producer output -> consumer input), plus one link latency per
              collective for its launch and synchronization (why DDP's one all-reduce
              beats FSDP's all-gather + reduce-scatter of the same volume when both fit)
@@ -177,6 +176,7 @@ class CostContext(EdgeMatrices, EdgeCollectives):
             kernels=compute.training_kernels(n),
             min_dim=self._min_dim(n, s),
             keys=self._attention_keys(n),
+            rated=compute.rated_seconds(n, self.cluster.device, 1 / split, backward=True),
         )
         t += REGION_EXCHANGES * self._region_exchange(n, s)
         ring = attention.ring_axis(n, s)
@@ -188,8 +188,7 @@ class CostContext(EdgeMatrices, EdgeCollectives):
         return ring_attention_time(t, compute.backward_factor(n), ring_n, kv, link, halves)
 
     def forward_time(self, n: fx.Node, s: NodeStrategy) -> float:
-        """The forward share of `node_cost` (what recomputing the node in backward costs):
-        roofline(flops / split, bytes / split)."""
+        """The forward share of `node_cost` (what recomputing it in backward costs)."""
         if n.op != "call_function" or n.target in VIEW_OPS or n.target is operator.getitem:
             return 0.0
         _, _, dtype = self._work(n)
@@ -203,6 +202,7 @@ class CostContext(EdgeMatrices, EdgeCollectives):
             op=compute.op_class(n),
             min_dim=self._min_dim(n, s),
             keys=self._attention_keys(n),
+            rated=compute.rated_seconds(n, self.cluster.device, 1 / split, backward=False),
         )
         t += REGION_FORWARD_EXCHANGES * self._region_exchange(n, s)
         ring = attention.ring_axis(n, s)

@@ -491,6 +491,7 @@ def compute_bound(template: Template, cluster: Cluster, devices: int) -> float:
             cluster,
             op=compute.op_class(n),
             kernels=compute.training_kernels(n),
+            rated=compute.rated_seconds(n, cluster.device, 1 / devices, backward=True),
         )
         total += t * template.weights.get(layer_of(n), 1.0)
     return total
