@@ -12,8 +12,9 @@ read back. Nothing here names a device: tensors live on the process group's devi
 
 What is measured (every rank at once, as training runs; each figure is the median of a few
 repetitions after a warm-up, the mean over ranks for compute and the slowest rank for a
-collective; a repetition is a loop of calls lasting ``_SUSTAIN_S``, timed per call, so
-that the rate is the one a rank sustains while the others compute too, where processes
+collective; a repetition is a loop of calls lasting 0.25 s, timed per call
+(`autopar.calibration_timing`), so that the rate is the one a rank sustains while the
+others compute too, where processes
 share cores: one gloo collective of a few KiB timed alone measured anywhere from 0.5 to
 11 ms, and the kinds' fitted bandwidth fractions moved 4x from one calibration to the
 next; timed as loops they agree within ~15%):
@@ -40,6 +41,9 @@ next; timed as loops they agree within ~15%):
   log-softmax and their backwards: ``cost_models.compute.RATED_BACKWARD``), streamed as
   above at one size: ``op_rates``, elements/s less the launch (on a 2-core CPU gelu ran
   ~2 G elements/s where ``x * 2`` ran ~7: transcendental math, not bytes, bounds it);
+* the optimizer's update as torch's loop runs it (SGD, SGD with momentum, AdamW) on two
+  sets of float32 parameters, many small tensors and a few large ones: ``update_rates``,
+  per state count a time per tensor and a rate per element (a line through the two);
 * ``launch_overhead``: a one-element op;
 * fused attention (``scaled_dot_product_attention``, 4 heads of 64) at twice the largest
   matmul side, and at an eighth of it with 8 times the batch: the two rates over the
@@ -68,10 +72,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -82,6 +84,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.calibration_fit import cluster_from_measurements
+from autopar.calibration_timing import MAX_CALLS, agree, loops_for, timed, timed_in_turns
 from autopar.cluster import Cluster
 from autopar.devices import choose_backend, free_port, init_rank, process_group_device
 
@@ -94,6 +97,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "skinny": ((8, 16), 64),
         "memory": (2**12, 2**14),
         "rated": 2**12,
+        "update": ((2**8, 4), (2**12, 2)),
         "comm": (2**10, 2**14),
         "reps": 2,
     },
@@ -105,6 +109,7 @@ SIZES: dict[str, dict[str, Any]] = {
         # fresh mapping, written page fault by page fault, as a step's large tensors are
         "memory": (2**16, 2**18, 2**20, 2**22, 2**24),
         "rated": 2**20,  # 4 MiB, a step's activation of a small layer
+        "update": ((2**16, 32), (2**22, 4)),  # (elements, tensors): 256 KiB and 16 MiB
         "comm": (2**10, 2**14, 2**18, 2**21, 2**24),  # up to 16 MiB: the bandwidth shows
         "reps": 3,
     },
@@ -113,6 +118,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "skinny": ((32, 64, 128, 256, 512), 8192),
         "memory": (2**20, 2**24, 2**27),
         "rated": 2**26,
+        "update": ((2**18, 64), (2**24, 8)),
         "comm": (2**14, 2**20, 2**24, 2**27),
         "reps": 5,
     },
@@ -120,13 +126,6 @@ SIZES: dict[str, dict[str, Any]] = {
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 _SLOW_S = 0.02  # one matmul slower than this: larger sizes of its dtype are skipped
-# a timed rep: a loop of calls lasting this long, per size mode (`_worker` sets it). Where
-# processes share cores, loops of 0.05 s measured a 512^2 matmul at 56-62 GF/s per rank
-# and loops of 0.25-1 s at 51-54 (4 processes, 2 cores, alternated): a short loop's rate
-# gains from the ranks that finish first (their cores go to the others); a training step's
-# matmuls of a layer's shapes ran at ~50 there
-_SUSTAIN_S = {"tiny": 0.05, "quick": 0.25, "gpu": 0.25}
-_sustain_s, _MAX_CALLS = 0.05, 5000
 _POOL_BYTES = 64 * 2**20  # memory-bound inputs cycled beyond a CPU's or a GPU's last cache
 
 
@@ -201,8 +200,7 @@ class _Progress:
 def _worker(
     rank: int, world: int, port: int, backend: str, mesh, names, sizes: str, out: str, show: bool
 ) -> None:
-    global _sustain_s
-    _sustain_s = _SUSTAIN_S[sizes]
+    loops_for(sizes)
     init_rank(rank, world, port, backend)
     try:
         from torch.distributed.device_mesh import init_device_mesh
@@ -210,7 +208,7 @@ def _worker(
         device = process_group_device(backend)
         dmesh = init_device_mesh(device, tuple(mesh), mesh_dim_names=tuple(names))
         cfg = SIZES[sizes]
-        total = 3 + len(cfg["matmul"]) * len(_DTYPES) + len(cfg["memory"])
+        total = 4 + len(cfg["matmul"]) * len(_DTYPES) + len(cfg["memory"])
         total += len(cfg["skinny"][0])
         total += len(names) * len(cfg["comm"]) * (len(_KINDS) + 1) + 1
         bar = _Progress(total, show and rank == 0)
@@ -221,71 +219,10 @@ def _worker(
         dist.destroy_process_group()
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _timed(fn: Callable[[], Any], device: str, reps: int, group=None) -> float:
-    """Median seconds per call of ``fn`` after a warm-up, each repetition a loop of calls
-    lasting at least ``_SUSTAIN_S`` on every rank at once (the same count everywhere): with
-    a ``group`` (a collective) the slowest of its ranks' (it ends when its last rank does),
-    else the mean over all ranks: the rate a rank sustains while the others compute too,
-    as in training (one call of a few milliseconds may run while another rank waits for a
-    core: where processes share cores one call measured up to twice the rate a training
-    step gets, and one collective of a few KiB anywhere from 0.5 to 11 ms)."""
-    return _timed_in_turns([fn], device, reps, group)[0]
-
-
-def _timed_in_turns(
-    fns: list[Callable[[], Any]], device: str, reps: int, group=None
-) -> list[float]:
-    """`_timed` of several calls in turns, one repetition of each per round: a slower
-    spell of a shared machine falls on all of them alike, so their ratios (what the
-    attention's fit reads) hold where times taken one after the other did not (two
-    calibrations minutes apart fitted a key tile of 637 and 228 tokens)."""
-    calls = []
-    for fn in fns:
-        fn()  # warm-up (a collective's first call may set up its connections)
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        calls.append(_calls_lasting(time.perf_counter() - t0, device))
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(reps):
-        for fn, n, own in zip(fns, calls, times, strict=True):
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            _sync(device)
-            own.append((time.perf_counter() - t0) / n)
-    t = torch.tensor([statistics.median(own) for own in times], dtype=torch.float64, device=device)
-    slowest = group is not None
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if slowest else dist.ReduceOp.SUM, group=group)
-    return [float(x) / (1 if slowest else dist.get_world_size()) for x in t.tolist()]
-
-
-def _calls_lasting(one_call_s: float, device: str) -> int:
-    """Calls of a ``one_call_s`` op that last ``_sustain_s``, the same on every rank (the
-    fewest any rank asks for)."""
-    t = torch.tensor([math.ceil(_sustain_s / max(one_call_s, 1e-7))], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(min(max(t.item(), 1), _MAX_CALLS))
-
-
-def _agree(flag: bool, device: str) -> bool:
-    """``flag`` on any rank (so that every rank runs the same benchmarks)."""
-    t = torch.tensor([float(flag)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
 def _measure(device: str, dmesh, names, cfg: dict[str, Any], bar: _Progress) -> dict[str, Any]:
     reps = cfg["reps"]
     one = torch.ones(1, device=device)
-    launch = _timed(lambda: one.mul(2), device, max(reps, 5) * 4)
+    launch = timed(lambda: one.mul(2), device, max(reps, 5) * 4)
     bar.step("launch overhead")
     matmul: dict[str, list] = {}
     for dtype in _DTYPES:
@@ -295,16 +232,16 @@ def _measure(device: str, dmesh, names, cfg: dict[str, Any], bar: _Progress) -> 
         for n in cfg["matmul"]:
             if not slow:
                 a = torch.randn(n, n, device=device).to(dtype)
-                t = _timed(lambda a=a: a @ a, device, reps)
+                t = timed(lambda a=a: a @ a, device, reps)
                 matmul[key].append((2.0 * n**3, t, 2.0 * n**3 / t))
-                slow = _agree(t > _SLOW_S, device)
+                slow = agree(t > _SLOW_S, device)
             bar.step(f"matmul {key} n={n}")
     rows, width = cfg["skinny"]
     w = torch.randn(width, width, device=device)
     skinny = []
     for d in rows:
         a = torch.randn(d, width, device=device)
-        skinny.append((d, 2.0 * d * width * width, _timed(lambda a=a: a @ w, device, reps)))
+        skinny.append((d, 2.0 * d * width * width, timed(lambda a=a: a @ w, device, reps)))
         bar.step(f"matmul float32 {d} x {width}")
     memory, in_place = [], []
     for numel in cfg["memory"]:
@@ -313,6 +250,8 @@ def _measure(device: str, dmesh, names, cfg: dict[str, Any], bar: _Progress) -> 
         bar.step(f"memory-bound {numel * 4 >> 10} KiB")
     rated = _op_rates(cfg["rated"], device, reps)
     bar.step("elementwise ops' arithmetic")
+    updates = _updates(cfg["update"], device, reps)
+    bar.step("optimizer updates")
     attention = _attention(device, cfg, reps)
     bar.step("attention")
     comm = {name: _measure_axis(device, dmesh, name, cfg, bar) for name in names}
@@ -328,6 +267,7 @@ def _measure(device: str, dmesh, names, cfg: dict[str, Any], bar: _Progress) -> 
         "memory_method": "streamed",
         "memory_in_place": in_place,
         "op_rates": rated,
+        "update": updates,
         **attention,
         "comm": comm,
         "overlap": overlap,
@@ -356,7 +296,7 @@ def _streamed(
         else:
             outputs[i] = inputs[i] * 2
 
-    t = _timed(call, device, reps)
+    t = timed(call, device, reps)
     return 2.0 * numel * 4, t, 2.0 * numel * 4 / t
 
 
@@ -368,11 +308,11 @@ def _overlap(device: str, cfg: dict[str, Any]) -> list[float]:
     n = max(cfg["matmul"])
     a = torch.randn(n, n, device=device)
     full = torch.randn(max(cfg["comm"]) // 4, device=device)
-    reduce_s = _timed(lambda: dist.all_reduce(full), device, cfg["reps"], dist.group.WORLD)
-    one = _timed(lambda: a @ a, device, cfg["reps"])
+    reduce_s = timed(lambda: dist.all_reduce(full), device, cfg["reps"], dist.group.WORLD)
+    one = timed(lambda: a @ a, device, cfg["reps"])
     t = torch.tensor([max(1, round(reduce_s / max(one, 1e-9)))], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the same loop on every rank
-    calls = int(min(t.item(), _MAX_CALLS))
+    calls = int(min(t.item(), MAX_CALLS))
 
     def compute() -> None:
         for _ in range(calls):
@@ -385,7 +325,7 @@ def _overlap(device: str, cfg: dict[str, Any]) -> list[float]:
 
     reps = max(cfg["reps"], 7)  # the difference of three times: more repetitions
     return [
-        _timed(f, device, reps, dist.group.WORLD)
+        timed(f, device, reps, dist.group.WORLD)
         for f in (compute, lambda: dist.all_reduce(full), both)
     ]
 
@@ -426,8 +366,32 @@ def _op_rates(numel: int, device: str, reps: int) -> dict[str, tuple[int, float]
 
         return call
 
-    times = _timed_in_turns([streamed(op) for op in calls.values()], device, reps)
+    times = timed_in_turns([streamed(op) for op in calls.values()], device, reps)
     return {name: (numel // 1024 * 1024, t) for name, t in zip(calls, times, strict=True)}
+
+
+def _updates(sets, device: str, reps: int) -> dict[int, list[tuple[int, int, float]]]:
+    """Per optimizer-state count (0: SGD, 1: SGD with momentum, 2: AdamW), torch's
+    ``step()`` timed on each set of ``(elements, tensors)`` float32 parameters with their
+    gradients: ``(elements, tensors, seconds)`` per set, all timed in turns."""
+    factories = {
+        0: lambda ps: torch.optim.SGD(ps, lr=1e-6),
+        1: lambda ps: torch.optim.SGD(ps, lr=1e-6, momentum=0.9),
+        2: lambda ps: torch.optim.AdamW(ps, lr=1e-6),
+    }
+    runs, steps = [], []
+    for states, make in factories.items():
+        for numel, count in sets:
+            params = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(count)]
+            for p in params:
+                p.grad = torch.randn_like(p)
+            runs.append((states, numel, count))
+            steps.append(make(params).step)
+    times = timed_in_turns(steps, device, reps)
+    out: dict[int, list[tuple[int, int, float]]] = {}
+    for (states, numel, count), t in zip(runs, times, strict=True):
+        out.setdefault(states, []).append((numel, count, t))
+    return out
 
 
 def _attention(device: str, cfg: dict[str, Any], reps: int) -> dict[str, Any]:
@@ -440,7 +404,7 @@ def _attention(device: str, cfg: dict[str, Any], reps: int) -> dict[str, Any]:
     runs = ((1, seq, False), (1, seq, True), (8, seq // 8, False))  # (batch, keys, causal)
     qs = [(torch.randn(b, 4, n, 64, device=device), c) for b, n, c in runs]
     calls = [lambda q=q, c=c: sdpa(q, q, q, is_causal=c) for q, c in qs]
-    full, causal, short = _timed_in_turns(calls, device, max(reps, 7))
+    full, causal, short = timed_in_turns(calls, device, max(reps, 7))
     flops = [4.0 * b * 4 * n * n * 64 for b, n, _ in runs]
     return {
         "attention_flops": flops[0] / full,
@@ -462,7 +426,7 @@ def _measure_axis(device: str, dmesh, name: str, cfg: dict[str, Any], bar: _Prog
         ops = _collectives(full, spare, part, group)
         for kind, fn in ops.items():
             if n > 1:
-                rows.append((kind, numel * 4, _timed(fn, device, cfg["reps"], group)))
+                rows.append((kind, numel * 4, timed(fn, device, cfg["reps"], group)))
             bar.step(f"{name}: {kind} {numel * 4 >> 10} KiB")
         if n > 1:
             rows.append(("p2p", numel * 4, _p2p(full, group, device, cfg["reps"])))
@@ -493,7 +457,7 @@ def _p2p(buf: torch.Tensor, group, device: str, reps: int) -> float:
         else:
             dist.recv(buf, other)
 
-    return _timed(exchange, device, reps, group)
+    return timed(exchange, device, reps, group)
 
 
 def _device_name(device: str) -> str:

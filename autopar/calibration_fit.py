@@ -56,6 +56,7 @@ def cluster_from_measurements(
         op_rates=tuple(
             (op, n / max(t - launch, 1e-12)) for op, (n, t) in m.get("op_rates", {}).items()
         ),
+        update_rates=_update_rates(m.get("update", {})),
     )
     links = tuple(
         _fit_link(m["comm"][name], n, backend) for name, n in zip(names, mesh, strict=True)
@@ -215,3 +216,23 @@ def _grid_min(loss: Callable[..., torch.Tensor], lows: tuple[float, ...], decade
 
 
 # ------------------------------------------------------------------------------ workers
+
+
+def _update_rates(runs: dict[Any, list]) -> tuple[tuple[int, float, float], ...]:
+    """Per optimizer-state count, (seconds per tensor, elements/s): the line through its
+    two sets' time per tensor against elements per tensor; a slope the noise made flat or
+    negative, or a negative intercept, gives the larger set's rate alone (no fixed time).
+    More states never update faster than fewer (noise: each taken at least as slow)."""
+    out: list[tuple[int, float, float]] = []
+    for states, rows in sorted(runs.items(), key=lambda kv: int(kv[0])):
+        (n1, c1, t1), (n2, c2, t2) = sorted(rows)[0], sorted(rows)[-1]
+        p1, p2 = t1 / c1, t2 / c2
+        if n2 > n1 and p2 > p1 and p1 - n1 * (p2 - p1) / (n2 - n1) >= 0:
+            rate = (n2 - n1) / (p2 - p1)
+            out.append((int(states), p1 - n1 / rate, rate))
+        else:
+            out.append((int(states), 0.0, n2 / p2))
+        if len(out) > 1:
+            (_, a0, r0), (k, a, r) = out[-2], out[-1]
+            out[-1] = (k, max(a, a0), min(r, r0))
+    return tuple(out)

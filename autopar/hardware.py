@@ -148,6 +148,12 @@ class DeviceSpec:
     # math: 4 processes on 2 cores, gelu + gelu_backward 12.7 ms of a GPT step priced 3.4);
     # a GPU's special-function units keep them memory-bound
     op_rates: tuple[tuple[str, float], ...] = ()
+    # the optimizer's update as torch's loop runs it here, per optimizer-state count (0 SGD,
+    # 1 SGD with momentum, 2 AdamW): (states, seconds per parameter tensor, float32
+    # elements/s), `autopar calibrate` times the loop itself (empty: priced by its passes,
+    # `cost_models.optimizer.LOOP_PASSES`). 4 CPU processes on 2 cores: AdamW on a 10M-
+    # parameter MLP's tensors took 39-82 ms a step where its 20 passes were priced 43
+    update_rates: tuple[tuple[int, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -176,6 +182,19 @@ class DeviceSpec:
         object.__setattr__(self, "memory_curve", _memory_curve(self.memory_curve))
         rates = {str(k): _positive(v, f"op_rates[{k!r}]") for k, v in dict(self.op_rates).items()}
         object.__setattr__(self, "op_rates", tuple(sorted(rates.items())))
+        updates = {
+            int(k): (_non_negative(a, "update_rates seconds"), _positive(r, "update_rates rate"))
+            for k, a, r in self.update_rates
+        }
+        object.__setattr__(self, "update_rates", tuple((k, *v) for k, v in sorted(updates.items())))
+
+    def update_rate(self, states: int) -> tuple[float, float] | None:
+        """(seconds per tensor, elements/s) of the update with ``states`` optimizer states
+        measured here (``update_rates``); None: none measured."""
+        for k, per_tensor, rate in self.update_rates:
+            if k == states:
+                return per_tensor, rate
+        return None
 
     def op_rate(self, name: str) -> float:
         """Elements/s measured for the ATen op ``name`` (``op_rates``); 0: none measured."""
@@ -216,14 +235,17 @@ class DeviceSpec:
             out["memory_curve"] = [list(point) for point in self.memory_curve]
         if self.op_rates:
             out["op_rates"] = dict(self.op_rates)
+        if self.update_rates:
+            out["update_rates"] = [list(row) for row in self.update_rates]
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DeviceSpec:
         curve = tuple(tuple(point) for point in data.get("memory_curve", ()))
         fields = {f: data[f] for f in _DEVICE_FIELDS if f in data}
-        rates = tuple(dict(data.get("op_rates", {})).items())
-        return cls(data["name"], data["peak_flops"], **fields, memory_curve=curve, op_rates=rates)
+        fields["op_rates"] = tuple(dict(data.get("op_rates", {})).items())
+        fields["update_rates"] = tuple(tuple(row) for row in data.get("update_rates", ()))
+        return cls(data["name"], data["peak_flops"], **fields, memory_curve=curve)
 
 
 @dataclass(frozen=True, slots=True)

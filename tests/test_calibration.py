@@ -13,10 +13,15 @@ import pytest
 from typer.testing import CliRunner
 
 from autopar.calibration import calibration_age_hours
-from autopar.calibration_fit import _fit_link, cluster_from_measurements, overlap_efficiency
+from autopar.calibration_fit import (
+    _fit_link,
+    _update_rates,
+    cluster_from_measurements,
+    overlap_efficiency,
+)
 from autopar.cli import app
 from autopar.cli.args import make_cluster
-from autopar.cluster import Cluster, Link
+from autopar.cluster import Cluster, DeviceSpec, Link
 from autopar.cost_models.comm import collective_time, send_recv_time
 from autopar.cost_models.compute import RATED_BACKWARD
 from autopar.cost_models.reshard import launch as launch_time
@@ -144,6 +149,7 @@ def test_calibrate_command_writes_a_loadable_cluster(tmp_path: Path) -> None:
     # every rated op and its backward measured (`cost_models.compute.RATED_BACKWARD`)
     rated = {*RATED_BACKWARD, *RATED_BACKWARD.values()}
     assert {op for op, rate in cluster.device.op_rates if rate > 0} == rated
+    assert [k for k, _, _ in cluster.device.update_rates] == [0, 1, 2]  # SGD, momentum, AdamW
     assert cluster.device.matmul_half_dim >= 0
     assert cluster.device.attention_half_seq >= 0 and cluster.device.attention_block >= 0
     assert 0.0 <= calibration_age_hours(out) < 1.0  # dated: a calibration is of its day
@@ -217,3 +223,21 @@ def test_op_rates_are_elements_per_second_without_the_launch() -> None:
         ).device
         == device
     )
+
+
+def test_update_rates_are_a_line_per_state_count() -> None:
+    """The optimizer loop's time per tensor against its elements: a line through the two
+    sets (a fixed time per tensor, a rate per element); noise that flattens it keeps the
+    larger set's rate; more states never fit faster than fewer."""
+    line = lambda a, r: [(n, c, c * (a + n / r)) for n, c in ((2**16, 32), (2**22, 4))]  # noqa: E731
+    fit = _update_rates({"0": line(1e-5, 4e9), "2": line(5e-5, 1e8)})
+    assert fit[0][0] == 0 and fit[0][1:] == pytest.approx((1e-5, 4e9))
+    assert fit[1][0] == 2 and fit[1][1:] == pytest.approx((5e-5, 1e8))
+    flat = _update_rates({1: [(2**16, 32, 32 * 1e-3), (2**22, 4, 4 * 1e-3)]})
+    assert flat == ((1, 0.0, 2**22 / 1e-3),)
+    # AdamW measured faster than SGD (noise): taken as slow as SGD
+    noisy = {k: (a, r) for k, a, r in _update_rates({0: line(1e-5, 1e9), 2: line(1e-6, 4e9)})}
+    assert noisy[2] == pytest.approx(noisy[0])
+    device = DeviceSpec("x", {"float32": 1e12}, 1e9, 1e9, update_rates=fit)
+    assert DeviceSpec.from_dict(device.to_dict()) == device
+    assert device.update_rate(2) == pytest.approx((5e-5, 1e8)) and device.update_rate(1) is None

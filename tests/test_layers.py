@@ -61,6 +61,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "autopar.rank_plans",
         "autopar.calibration",
         "autopar.calibration_fit",
+        "autopar.calibration_timing",
     ),
     ("autopar.views", "autopar.plan_views", "autopar.testing", "autopar.cli", "autopar.__main__"),
 )
