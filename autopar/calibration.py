@@ -14,10 +14,9 @@ What is measured (every rank at once, as training runs; each figure is the media
 repetitions after a warm-up, the mean over ranks for compute and the slowest rank for a
 collective; a repetition is a loop of calls lasting 0.25 s, timed per call
 (`autopar.calibration_timing`), so that the rate is the one a rank sustains while the
-others compute too, where processes
-share cores: one gloo collective of a few KiB timed alone measured anywhere from 0.5 to
-11 ms, and the kinds' fitted bandwidth fractions moved 4x from one calibration to the
-next; timed as loops they agree within ~15%):
+others compute too, where processes share cores: one gloo collective of a few KiB timed
+alone measured anywhere from 0.5 to 11 ms, and the kinds' fitted bandwidth fractions moved
+4x from one calibration to the next; timed as loops they agree within ~15%):
 
 * matmul ``[n,n] @ [n,n]`` per dtype over sizes (a dtype stops growing once one matmul
   takes over ``_SLOW_S``): ``peak_flops[dtype]`` = the rate achieved at the largest size
