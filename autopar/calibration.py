@@ -40,9 +40,9 @@ alone measured anywhere from 0.5 to 11 ms, and the kinds' fitted bandwidth fract
   log-softmax and their backwards: ``cost_models.compute.RATED_BACKWARD``), streamed as
   above at one size: ``op_rates``, elements/s less the launch (on a 2-core CPU gelu ran
   ~2 G elements/s where ``x * 2`` ran ~7: transcendental math, not bytes, bounds it);
-* the optimizer's update as torch's loop runs it (SGD, SGD with momentum, AdamW) on two
-  sets of float32 parameters, many small tensors and a few large ones: ``update_rates``,
-  per state count a time per tensor and a rate per element (a line through the two);
+* the optimizer's update as torch's loop runs it (SGD, SGD with momentum, AdamW) on sets
+  of float32 parameters from many small tensors to a few large ones: ``update_rates``,
+  elements/s per state count and tensor size (small tensors run from the caches);
 * ``launch_overhead``: a one-element op;
 * fused attention (``scaled_dot_product_attention``, 4 heads of 64) at twice the largest
   matmul side, and at an eighth of it with 8 times the batch: the two rates over the
@@ -108,7 +108,7 @@ SIZES: dict[str, dict[str, Any]] = {
         # fresh mapping, written page fault by page fault, as a step's large tensors are
         "memory": (2**16, 2**18, 2**20, 2**22, 2**24),
         "rated": 2**20,  # 4 MiB, a step's activation of a small layer
-        "update": ((2**16, 32), (2**22, 4)),  # (elements, tensors): 256 KiB and 16 MiB
+        "update": ((2**16, 32), (2**19, 8), (2**22, 4)),  # (elements, tensors): 256 KiB..16 MiB
         "comm": (2**10, 2**14, 2**18, 2**21, 2**24),  # up to 16 MiB: the bandwidth shows
         "reps": 3,
     },
@@ -117,7 +117,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "skinny": ((32, 64, 128, 256, 512), 8192),
         "memory": (2**20, 2**24, 2**27),
         "rated": 2**26,
-        "update": ((2**18, 64), (2**24, 8)),
+        "update": ((2**18, 64), (2**21, 16), (2**24, 8)),
         "comm": (2**14, 2**20, 2**24, 2**27),
         "reps": 5,
     },

@@ -219,20 +219,14 @@ def _grid_min(loss: Callable[..., torch.Tensor], lows: tuple[float, ...], decade
 
 
 def _update_rates(runs: dict[Any, list]) -> tuple[tuple[int, float, float], ...]:
-    """Per optimizer-state count, (seconds per tensor, elements/s): the line through its
-    two sets' time per tensor against elements per tensor; a slope the noise made flat or
-    negative, or a negative intercept, gives the larger set's rate alone (no fixed time).
-    More states never update faster than fewer (noise: each taken at least as slow)."""
+    """Per optimizer-state count and tensor size, (states, elements a tensor, elements/s):
+    each set's elements over its time. More states never update faster than fewer at a
+    size (noise: each taken at least as slow)."""
     out: list[tuple[int, float, float]] = []
+    fastest: dict[float, float] = {}  # size -> the rate of fewer states
     for states, rows in sorted(runs.items(), key=lambda kv: int(kv[0])):
-        (n1, c1, t1), (n2, c2, t2) = sorted(rows)[0], sorted(rows)[-1]
-        p1, p2 = t1 / c1, t2 / c2
-        if n2 > n1 and p2 > p1 and p1 - n1 * (p2 - p1) / (n2 - n1) >= 0:
-            rate = (n2 - n1) / (p2 - p1)
-            out.append((int(states), p1 - n1 / rate, rate))
-        else:
-            out.append((int(states), 0.0, n2 / p2))
-        if len(out) > 1:
-            (_, a0, r0), (k, a, r) = out[-2], out[-1]
-            out[-1] = (k, max(a, a0), min(r, r0))
+        for n, count, t in sorted(rows):
+            rate = min(n * count / t, fastest.get(n, math.inf))
+            fastest[n] = rate
+            out.append((int(states), float(n), rate))
     return tuple(out)

@@ -149,10 +149,11 @@ class DeviceSpec:
     # a GPU's special-function units keep them memory-bound
     op_rates: tuple[tuple[str, float], ...] = ()
     # the optimizer's update as torch's loop runs it here, per optimizer-state count (0 SGD,
-    # 1 SGD with momentum, 2 AdamW): (states, seconds per parameter tensor, float32
+    # 1 SGD with momentum, 2 AdamW) and tensor size: (states, float32 elements a tensor,
     # elements/s), `autopar calibrate` times the loop itself (empty: priced by its passes,
-    # `cost_models.optimizer.LOOP_PASSES`). 4 CPU processes on 2 cores: AdamW on a 10M-
-    # parameter MLP's tensors took 39-82 ms a step where its 20 passes were priced 43
+    # `cost_models.optimizer.LOOP_PASSES`). 4 CPU processes on 2 cores: AdamW ran 0.26-0.36 G
+    # elements/s on 256 KiB tensors (caches, one call's fixed cost) and 0.10-0.12 on 16 MiB
+    # ones, where its 20 passes were priced ~0.24
     update_rates: tuple[tuple[int, float, float], ...] = ()
 
     def __post_init__(self) -> None:
@@ -182,19 +183,25 @@ class DeviceSpec:
         object.__setattr__(self, "memory_curve", _memory_curve(self.memory_curve))
         rates = {str(k): _positive(v, f"op_rates[{k!r}]") for k, v in dict(self.op_rates).items()}
         object.__setattr__(self, "op_rates", tuple(sorted(rates.items())))
-        updates = {
-            int(k): (_non_negative(a, "update_rates seconds"), _positive(r, "update_rates rate"))
-            for k, a, r in self.update_rates
-        }
-        object.__setattr__(self, "update_rates", tuple((k, *v) for k, v in sorted(updates.items())))
+        updates = sorted(
+            (int(k), _positive(n, "update_rates size"), _positive(r, "update_rates rate"))
+            for k, n, r in self.update_rates
+        )
+        object.__setattr__(self, "update_rates", tuple(updates))
 
-    def update_rate(self, states: int) -> tuple[float, float] | None:
-        """(seconds per tensor, elements/s) of the update with ``states`` optimizer states
-        measured here (``update_rates``); None: none measured."""
-        for k, per_tensor, rate in self.update_rates:
-            if k == states:
-                return per_tensor, rate
-        return None
+    def update_rate(self, states: int, numel: float) -> float:
+        """Elements/s of the update with ``states`` optimizer states on a tensor of ``numel``
+        elements (``update_rates``: log-log between the measured sizes, flat beyond); 0:
+        none measured."""
+        rows = [(n, r) for k, n, r in self.update_rates if k == states]
+        if not rows:
+            return 0.0
+        if numel <= rows[0][0]:
+            return rows[0][1]
+        for (n0, r0), (n1, r1) in itertools.pairwise(rows):
+            if numel <= n1:
+                return r0 * (r1 / r0) ** (math.log(numel / n0) / math.log(n1 / n0))
+        return rows[-1][1]
 
     def op_rate(self, name: str) -> float:
         """Elements/s measured for the ATen op ``name`` (``op_rates``); 0: none measured."""

@@ -149,13 +149,16 @@ def test_calibrate_command_writes_a_loadable_cluster(tmp_path: Path) -> None:
     # every rated op and its backward measured (`cost_models.compute.RATED_BACKWARD`)
     rated = {*RATED_BACKWARD, *RATED_BACKWARD.values()}
     assert {op for op, rate in cluster.device.op_rates if rate > 0} == rated
-    assert [k for k, _, _ in cluster.device.update_rates] == [0, 1, 2]  # SGD, momentum, AdamW
+    assert {k for k, _, _ in cluster.device.update_rates} == {0, 1, 2}  # SGD, momentum, AdamW
     assert cluster.device.matmul_half_dim >= 0
     assert cluster.device.attention_half_seq >= 0 and cluster.device.attention_block >= 0
     assert 0.0 <= calibration_age_hours(out) < 1.0  # dated: a calibration is of its day
     assert 0.0 <= cluster.device.overlap_efficiency <= 1.0
     assert len(raw["calibration"]["comm"]["dp"]) == 2 * 5  # 2 sizes x (4 collectives + p2p)
     assert make_cluster(str(out), 1, None, "tp").axis_names == ("tp",)
+    # the fitted rates printed beside the cluster (`views.device.device_lines`)
+    for line in ("matmul: float32", "memory-bound:", "elementwise arithmetic", "AdamW"):
+        assert line in result.output
 
 
 def test_streamed_memory_runs_give_a_size_curve() -> None:
@@ -225,19 +228,21 @@ def test_op_rates_are_elements_per_second_without_the_launch() -> None:
     )
 
 
-def test_update_rates_are_a_line_per_state_count() -> None:
-    """The optimizer loop's time per tensor against its elements: a line through the two
-    sets (a fixed time per tensor, a rate per element); noise that flattens it keeps the
-    larger set's rate; more states never fit faster than fewer."""
-    line = lambda a, r: [(n, c, c * (a + n / r)) for n, c in ((2**16, 32), (2**22, 4))]  # noqa: E731
-    fit = _update_rates({"0": line(1e-5, 4e9), "2": line(5e-5, 1e8)})
-    assert fit[0][0] == 0 and fit[0][1:] == pytest.approx((1e-5, 4e9))
-    assert fit[1][0] == 2 and fit[1][1:] == pytest.approx((5e-5, 1e8))
-    flat = _update_rates({1: [(2**16, 32, 32 * 1e-3), (2**22, 4, 4 * 1e-3)]})
-    assert flat == ((1, 0.0, 2**22 / 1e-3),)
-    # AdamW measured faster than SGD (noise): taken as slow as SGD
-    noisy = {k: (a, r) for k, a, r in _update_rates({0: line(1e-5, 1e9), 2: line(1e-6, 4e9)})}
-    assert noisy[2] == pytest.approx(noisy[0])
+def test_update_rates_are_elements_per_second_by_state_count_and_size() -> None:
+    """Each timed set's elements over its time, per state count and tensor size; between
+    the sizes log-log, flat beyond; more states never fit faster than fewer at a size."""
+    runs = {"0": [(2**16, 32, 32 * 2**16 / 3e9), (2**22, 4, 4 * 2**22 / 2e9)]}
+    runs["2"] = [(2**16, 32, 32 * 2**16 / 4e8), (2**22, 4, 4 * 2**22 / 1e8)]
+    fit = _update_rates(runs)
+    expected = ((0, 2**16, 3e9), (0, 2**22, 2e9), (2, 2**16, 4e8), (2, 2**22, 1e8))
+    assert [row[:2] for row in fit] == [row[:2] for row in expected]
+    assert [row[2] for row in fit] == pytest.approx([row[2] for row in expected])
     device = DeviceSpec("x", {"float32": 1e12}, 1e9, 1e9, update_rates=fit)
     assert DeviceSpec.from_dict(device.to_dict()) == device
-    assert device.update_rate(2) == pytest.approx((5e-5, 1e8)) and device.update_rate(1) is None
+    assert device.update_rate(2, 2**10) == pytest.approx(4e8)  # flat below the smallest
+    assert device.update_rate(2, 2**30) == pytest.approx(1e8)  # and past the largest
+    assert device.update_rate(2, 2**19) == pytest.approx(2e8)  # log-log halfway
+    assert device.update_rate(1, 2**19) == 0.0  # not measured: priced by its passes
+    # AdamW measured faster than SGD on the small set (noise): taken as slow as SGD there
+    runs["2"][0] = (2**16, 32, 32 * 2**16 / 5e9)
+    assert _update_rates(runs)[2] == pytest.approx((2, 2**16, 3e9))

@@ -61,8 +61,12 @@ def _clusters() -> list[Cluster]:
     curve = ((5e5, 1.0), (2e6, 1.0), (8e6, 0.9), (1.3e8, 0.25))
     # and its arithmetic-bound elementwise ops (`DeviceSpec.op_rates`, elements/s)
     rates = (("gelu", 2e9), ("gelu_backward", 2.2e9), ("_softmax", 2.3e9))
-    # and its optimizer's loop as timed (`DeviceSpec.update_rates`: per tensor, per element)
-    updates = ((0, 2e-5, 3e9), (1, 4e-5, 1e9), (2, 8e-5, 2.5e8))
+    # and its optimizer's loop as timed (`DeviceSpec.update_rates`: by state count and size)
+    updates = tuple(
+        (k, n, r)
+        for k, rates in ((0, (3e9, 2e9)), (1, (1e9, 5e8)), (2, (3.5e8, 1.2e8)))
+        for n, r in zip((2**16, 2**22), rates, strict=True)
+    )
     device = replace(
         cpu.device,
         name="calibrated",
@@ -421,10 +425,11 @@ def test_optimizer_update_grows_with_what_a_device_updates(cluster: Cluster) -> 
         assert update_time(shape, torch.float32, rep, mesh, cluster, 0) <= full
         bf16 = update_time(shape, torch.bfloat16, rep, mesh, cluster)
         assert update_time(shape, torch.bfloat16, rep, mesh, cluster, 2, False, True) >= bf16
-    measured = cluster.device.update_rate(2)
-    if measured is not None:  # the loop as timed: a time per tensor, then per element
-        per_tensor, rate = measured
-        assert times[2] == pytest.approx(per_tensor + 4096 * 1024 / rate)
+    rate = cluster.device.update_rate(2, 4096 * 1024)
+    if rate:  # the loop as timed: its elements at the rate measured for its size
+        assert times[2] == pytest.approx(4096 * 1024 / rate)
+        small, large = (cluster.device.update_rate(2, n) for n in (1024, 2**30))
+        assert small >= rate >= large  # flat past the measured sizes, falling between
 
 
 GLOO_LINKS = [  # as `autopar calibrate` fit gloo on 4 CPU processes

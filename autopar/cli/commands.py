@@ -316,9 +316,11 @@ def calibrate_cmd(
         str | None, typer.Option("--sizes", help="tiny|quick|gpu (default: by device)")
     ] = None,
 ) -> None:
-    """Measure this machine (matmul, memory-bound ops, every collective on every mesh axis,
-    send/recv) on NPROC processes and write a cluster file for `--cluster`."""
+    """Measure this machine (matmul, memory-bound ops, elementwise arithmetic, the optimizer's
+    update, attention, every collective on every mesh axis, send/recv) on NPROC processes,
+    print the fitted rates and write a cluster file for `--cluster`."""
     from autopar.calibration import calibrate, write_calibration
+    from autopar.views.device import device_lines
 
     shape = parse_mesh(mesh) if mesh else (nproc,)
     if math.prod(shape) != nproc:
@@ -333,7 +335,8 @@ def calibrate_cmd(
     except ValueError as exc:
         fail(str(exc))
     write_calibration(cluster, measured, output)
-    typer.echo(f"{cluster}\nwrote {output}")
+    lines = "\n".join(f"  {line}" for line in device_lines(cluster.device))
+    typer.echo(f"{cluster}\n{lines}\nwrote {output}")
 
 
 def main() -> None:

@@ -13,8 +13,9 @@ processes a 10M-parameter MLP's AdamW loop took ~65 ms a step where its 7 fused 
 were priced 35. ZeRO (`shard_optimizer`) updates only the device's flat shard of the
 parameter (1 / the devices replicating it). Each kernel of the loop pays the launch cost.
 A device whose loop `autopar calibrate` timed (`DeviceSpec.update_rates`) takes that
-instead: a fixed time per tensor plus its elements at the measured rate (the passes'
-bytes under-priced a CPU's loop ~2x: its `sqrt` and `div` outputs are fresh tensors).
+instead: the tensor's elements at the rate measured for its size (the passes' bytes
+under-priced a CPU's loop of large tensors ~2x: its `sqrt` and `div` outputs are fresh
+tensors; small ones run from the caches).
 """
 
 from __future__ import annotations
@@ -56,12 +57,11 @@ def update_time(
     if n <= 0:
         return 0.0
     master = FP32_BYTES if mixed_precision else dtype.itemsize
-    measured = cluster.device.update_rate(states)
-    if measured is not None:  # the loop as timed here (float32 elements: by bytes for others)
-        per_tensor, rate = measured
+    rate = cluster.device.update_rate(states, n)
+    if rate:  # the loop as timed here (float32 elements: by their bytes for other dtypes)
         refresh = n * (master + dtype.itemsize) if mixed_precision else 0.0
         copy = compute_time(0.0, refresh, "float32", cluster, op="memory") if refresh else 0.0
-        return per_tensor + n * master / FP32_BYTES / rate + copy
+        return n * master / FP32_BYTES / rate + copy
     (in_place, kernels), (new, allocating) = LOOP_PASSES.get(
         states, ((3 + 6 * states, 1 + 2 * states), (2 * states, states))
     )
