@@ -96,7 +96,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "skinny": ((8, 16), 64),
         "memory": (2**12, 2**14),
         "rated": 2**12,
-        "update": ((2**8, 4), (2**12, 2)),
+        "update": ((2**8, 16), (2**12, 1)),
         "comm": (2**10, 2**14),
         "reps": 2,
     },
@@ -108,7 +108,9 @@ SIZES: dict[str, dict[str, Any]] = {
         # fresh mapping, written page fault by page fault, as a step's large tensors are
         "memory": (2**16, 2**18, 2**20, 2**22, 2**24),
         "rated": 2**20,  # 4 MiB, a step's activation of a small layer
-        "update": ((2**16, 32), (2**19, 8), (2**22, 4)),  # (elements, tensors): 256 KiB..16 MiB
+        # (elements, tensors): 256 KiB..16 MiB tensors, 64 MiB a set (beyond the caches, as a
+        # step's update finds its states: 32 tensors of 256 KiB ran twice as fast from them)
+        "update": ((2**16, 256), (2**19, 32), (2**22, 4)),
         "comm": (2**10, 2**14, 2**18, 2**21, 2**24),  # up to 16 MiB: the bandwidth shows
         "reps": 3,
     },
@@ -117,7 +119,7 @@ SIZES: dict[str, dict[str, Any]] = {
         "skinny": ((32, 64, 128, 256, 512), 8192),
         "memory": (2**20, 2**24, 2**27),
         "rated": 2**26,
-        "update": ((2**18, 64), (2**21, 16), (2**24, 8)),
+        "update": ((2**18, 256), (2**21, 32), (2**24, 4)),
         "comm": (2**14, 2**20, 2**24, 2**27),
         "reps": 5,
     },
@@ -372,24 +374,23 @@ def _op_rates(numel: int, device: str, reps: int) -> dict[str, tuple[int, float]
 def _updates(sets, device: str, reps: int) -> dict[int, list[tuple[int, int, float]]]:
     """Per optimizer-state count (0: SGD, 1: SGD with momentum, 2: AdamW), torch's
     ``step()`` timed on each set of ``(elements, tensors)`` float32 parameters with their
-    gradients: ``(elements, tensors, seconds)`` per set, all timed in turns."""
+    gradients: ``(elements, tensors, seconds)`` per set, an optimizer's sets timed in
+    turns (and freed before the next optimizer's)."""
     factories = {
         0: lambda ps: torch.optim.SGD(ps, lr=1e-6),
         1: lambda ps: torch.optim.SGD(ps, lr=1e-6, momentum=0.9),
         2: lambda ps: torch.optim.AdamW(ps, lr=1e-6),
     }
-    runs, steps = [], []
+    out: dict[int, list[tuple[int, int, float]]] = {}
     for states, make in factories.items():
+        steps = []
         for numel, count in sets:
             params = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(count)]
             for p in params:
                 p.grad = torch.randn_like(p)
-            runs.append((states, numel, count))
             steps.append(make(params).step)
-    times = timed_in_turns(steps, device, reps)
-    out: dict[int, list[tuple[int, int, float]]] = {}
-    for (states, numel, count), t in zip(runs, times, strict=True):
-        out.setdefault(states, []).append((numel, count, t))
+        times = timed_in_turns(steps, device, reps)
+        out[states] = [(n, c, t) for (n, c), t in zip(sets, times, strict=True)]
     return out
 
 

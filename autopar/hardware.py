@@ -151,9 +151,8 @@ class DeviceSpec:
     # the optimizer's update as torch's loop runs it here, per optimizer-state count (0 SGD,
     # 1 SGD with momentum, 2 AdamW) and tensor size: (states, float32 elements a tensor,
     # elements/s), `autopar calibrate` times the loop itself (empty: priced by its passes,
-    # `cost_models.optimizer.LOOP_PASSES`). 4 CPU processes on 2 cores: AdamW ran 0.26-0.36 G
-    # elements/s on 256 KiB tensors (caches, one call's fixed cost) and 0.10-0.12 on 16 MiB
-    # ones, where its 20 passes were priced ~0.24
+    # `cost_models.optimizer.LOOP_PASSES`). 4 CPU processes on 2 cores: AdamW ran 0.10-0.12 G
+    # elements/s on 16 MiB tensors, where its 20 passes were priced ~0.24
     update_rates: tuple[tuple[int, float, float], ...] = ()
 
     def __post_init__(self) -> None:
