@@ -215,9 +215,6 @@ def _grid_min(loss: Callable[..., torch.Tensor], lows: tuple[float, ...], decade
     return tuple(best)
 
 
-# ------------------------------------------------------------------------------ workers
-
-
 def _update_rates(runs: dict[Any, list]) -> tuple[tuple[int, float, float], ...]:
     """Per optimizer-state count and tensor size, (states, elements a tensor, elements/s):
     each set's elements over its time. More states never update faster than fewer at a

@@ -14,8 +14,8 @@ were priced 35. ZeRO (`shard_optimizer`) updates only the device's flat shard of
 parameter (1 / the devices replicating it). Each kernel of the loop pays the launch cost.
 A device whose loop `autopar calibrate` timed (`DeviceSpec.update_rates`) takes that
 instead: the tensor's elements at the rate measured for its size (the passes' bytes
-under-priced a CPU's loop of large tensors ~2x: its `sqrt` and `div` outputs are fresh
-tensors; small ones run from the caches).
+under-priced a CPU's loop of 16 MiB tensors ~2x: its `sqrt` and `div` outputs are fresh
+mappings there; 256 KiB ones ran ~2x the 16 MiB ones' rate).
 """
 
 from __future__ import annotations
