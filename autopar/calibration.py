@@ -42,7 +42,8 @@ alone measured anywhere from 0.5 to 11 ms, and the kinds' fitted bandwidth fract
   ~2 G elements/s where ``x * 2`` ran ~7: transcendental math, not bytes, bounds it);
 * the optimizer's update as torch's loop runs it (SGD, SGD with momentum, AdamW) on sets
   of float32 parameters from many small tensors to a few large ones: ``update_rates``,
-  elements/s per state count and tensor size (small tensors run from the caches);
+  elements/s per state count and tensor size (on a CPU 256 KiB tensors ran ~2x the rate
+  of 16 MiB ones, whose new outputs are fresh mappings);
 * ``launch_overhead``: a one-element op;
 * fused attention (``scaled_dot_product_attention``, 4 heads of 64) at twice the largest
   matmul side, and at an eighth of it with 8 times the batch: the two rates over the
@@ -285,20 +286,31 @@ def _streamed(
     fresh mapping). A hot ``x * 2`` on one tensor ran 68-100 GB/s up to 8 MiB on a 2-core
     CPU, where a step's elementwise ops ran 8-14. ``in_place``: ``x.mul_(2)``, no new
     tensor (an optimizer's kernels)."""
+    pool = _pool(numel, (numel,), device)
+    op = (lambda x, _: x.mul_(2)) if in_place else (lambda x, _: x * 2)
+    t = timed(_cycled(op, pool), device, reps)
+    return 2.0 * numel * 4, t, 2.0 * numel * 4 / t
+
+
+def _pool(numel: int, shape: tuple[int, ...], device: str) -> list[torch.Tensor]:
+    """Inputs of ``numel`` float32 elements (as ``shape``) filling `_POOL_BYTES`, so that
+    each call reads one read long ago, beyond the caches (at least two)."""
     count = max(2, -(-_POOL_BYTES // (numel * 4)))
-    inputs = [torch.randn(numel, device=device) for _ in range(count)]
-    outputs: list[torch.Tensor | None] = [None] * count
+    return [torch.randn(shape, device=device) for _ in range(count)]
+
+
+def _cycled(op: Callable[[torch.Tensor, torch.Tensor], Any], pool: list) -> Callable[[], None]:
+    """A call of ``op(x, g)`` on the pool's next input and the one before it, its output
+    kept in that input's slot until the pool comes round (the allocator then hands out
+    memory not touched lately, as in a step)."""
+    kept: list[Any] = [None] * len(pool)
     turn = iter(range(1 << 62))
 
     def call() -> None:
-        i = next(turn) % count
-        if in_place:
-            inputs[i].mul_(2)
-        else:
-            outputs[i] = inputs[i] * 2
+        i = next(turn) % len(pool)
+        kept[i] = op(pool[i], pool[i - 1])
 
-    t = timed(call, device, reps)
-    return 2.0 * numel * 4, t, 2.0 * numel * 4 / t
+    return call
 
 
 def _overlap(device: str, cfg: dict[str, Any]) -> list[float]:
@@ -337,9 +349,7 @@ def _op_rates(numel: int, device: str, reps: int) -> dict[str, tuple[int, float]
     seconds) of one call on ``numel`` float32 elements streamed as `_streamed` streams
     them (softmaxes over rows of 1024), timed in turns."""
     aten = torch.ops.aten
-    count = max(3, -(-_POOL_BYTES // (numel * 4)))
-    pool = [torch.randn(numel // 1024, 1024, device=device) for _ in range(count)]
-    kept: list[Any] = [None] * count
+    pool = _pool(numel // 1024 * 1024, (numel // 1024, 1024), device)
     calls = {
         "gelu": lambda x, g: aten.gelu(x),
         "gelu_backward": lambda x, g: aten.gelu_backward(g, x),
@@ -358,16 +368,7 @@ def _op_rates(numel: int, device: str, reps: int) -> dict[str, tuple[int, float]
             g, x, -1, x.dtype
         ),
     }
-    turn = iter(range(1 << 62))
-
-    def streamed(op: Callable[[torch.Tensor, torch.Tensor], Any]) -> Callable[[], None]:
-        def call() -> None:
-            i = next(turn) % count
-            kept[i] = op(pool[i], pool[i - 1])
-
-        return call
-
-    times = timed_in_turns([streamed(op) for op in calls.values()], device, reps)
+    times = timed_in_turns([_cycled(op, pool) for op in calls.values()], device, reps)
     return {name: (numel // 1024 * 1024, t) for name, t in zip(calls, times, strict=True)}
 
 

@@ -410,7 +410,8 @@ def rated_seconds(node: Node, device: DeviceSpec, fraction: float, backward: boo
     if not device.op_rates or node.op != "call_function":
         return 0.0
     name = getattr(node.target, "_opname", "")
-    if node.kwargs.get("approximate") == "tanh":
+    approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "")
+    if name == "gelu" and approximate == "tanh":
         name += "[tanh]"
     rates = [device.op_rate(name)]
     if backward:
