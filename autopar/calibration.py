@@ -26,9 +26,10 @@ alone measured anywhere from 0.5 to 11 ms, and the kinds' fitted bandwidth fract
   fixed time ``c`` of the fit ``t = f / peak + c`` gives ``matmul_half_flops = c * peak``
   (``autopar.cost_models.compute``: ``f / (peak * f / (f + h)) = (f + h) / peak``);
 * matmul ``[d, n] @ [n, n]`` in float32 for a few thin ``d`` at a layer's width ``n``:
-  ``matmul_half_dim`` = the median ``d_half`` of ``rate / peak = d / (d + d_half)``
-  (a matmul with a small side runs far from peak whatever its FLOPs: 2-core CPU, n =
-  2048, d = 32 ran at 0.62 of the large rate), taken out of the square sizes' fixed time;
+  ``matmul_half_dim`` = the median ``d_half`` of ``rate / peak = d / (d + d_half) *
+  (n / (n + d_half)) ** 2`` (each side's share: a matmul with a small side runs far from
+  peak whatever its FLOPs: 2-core CPU, n = 2048, d = 32 ran at 0.62 of the large rate),
+  taken out of the square sizes' fixed time;
 * memory-bound ``y = x * 2`` over sizes, streamed as a step streams them (``_streamed``:
   inputs from a pool beyond the caches, outputs new tensors): ``memory_curve``, the rate of
   read + write per size over the fastest (``memory_bandwidth``), never rising with size
@@ -55,6 +56,9 @@ alone measured anywhere from 0.5 to 11 ms, and the kinds' fitted bandwidth fract
   and then at once (the all-reduce issued without waiting, as gradient buckets are): the
   share of the shorter one the other hides (``overlap_efficiency``; 1 where the file has no
   such measurement);
+* ``core_share``: the share of a core each process had, all of them computing at once
+  (min(1, cores / processes) on a CPU host, 1 on a GPU), which every rate above was
+  measured under (`search.core_sharing` prices a pipeline's stages with it);
 * every collective (all-reduce, all-gather, reduce-scatter, all-to-all) on every mesh axis
   over message sizes, and point-to-point between axis neighbours. Per axis and kind, the
   least-squares fit of ``t = steps * alpha_k + volume * B / beta_k`` with the cost model's
@@ -262,6 +266,7 @@ def _measure(device: str, dmesh, names, cfg: dict[str, Any], bar: _Progress) -> 
     return {
         "device_name": _device_name(device),
         "memory_bytes": _memory_bytes(device, dist.get_world_size()),
+        "core_share": _core_share(device, dist.get_world_size()),
         "launch_s": launch,
         "matmul": matmul,
         "skinny": skinny,
@@ -465,6 +470,14 @@ def _device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
     return f"{device} ({os.cpu_count()} cores)"
+
+
+def _core_share(device: str, world: int) -> float:
+    """The share of a core each of the `world` local processes had (1 on a GPU: its own)."""
+    if device != "cpu":
+        return 1.0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return min(1.0, (cores or 1) / world)
 
 
 def _memory_bytes(device: str, world: int) -> float:

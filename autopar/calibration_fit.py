@@ -31,8 +31,8 @@ def cluster_from_measurements(
     launch = m["launch_s"]
     thin = _half_dim(m.get("skinny", []), peaks["float32"], launch)
     sides = [(f / 2) ** (1 / 3) for f, _, _ in fp32]  # a square matmul's time beyond its
-    fixed = [  # FLOPs at the rate its side n allows
-        max(t - f * (n + thin) / (peaks["float32"] * n) - launch, 0.0)
+    fixed = [  # FLOPs at the rate its three sides n allow
+        max(t - f * ((n + thin) / n) ** 3 / peaks["float32"] - launch, 0.0)
         for (f, t, _), n in zip(fp32, sides, strict=True)
     ]
     half = statistics.median(fixed) * peaks["float32"]
@@ -57,6 +57,7 @@ def cluster_from_measurements(
             (op, n / max(t - launch, 1e-12)) for op, (n, t) in m.get("op_rates", {}).items()
         ),
         update_rates=_update_rates(m.get("update", {})),
+        core_share=m.get("core_share", 1.0),
     )
     links = tuple(
         _fit_link(m["comm"][name], n, backend) for name, n in zip(names, mesh, strict=True)
@@ -124,8 +125,16 @@ def _in_place_rate(m: dict[str, Any]) -> float:
 
 def _half_dim(skinny: list, peak: float, launch: float) -> float:
     """`DeviceSpec.matmul_half_dim`: per measured ``[d, n] @ [n, n]``, the ``d_half`` with
-    ``rate / peak = d / (d + d_half)``; their median (0 where none is slower than peak)."""
-    fits = [d * (peak / (f / max(t - launch, 1e-12)) - 1.0) for d, f, t in skinny]
+    ``rate / peak = d / (d + d_half) * (n / (n + d_half)) ** 2`` (each side's share,
+    `compute.compute_efficiency`; a few fixed-point rounds: the wide sides' share is near
+    1); their median (0 where none is slower than peak)."""
+    fits = []
+    for d, f, t in skinny:
+        ratio = peak / (f / max(t - launch, 1e-12))  # peak / rate
+        n, half = math.sqrt(f / (2.0 * d)), 0.0
+        for _ in range(4):
+            half = d * (ratio * (n / (n + half)) ** 2 - 1.0)
+        fits.append(half)
     return max(statistics.median(fits), 0.0) if fits else 0.0
 
 

@@ -34,6 +34,7 @@ _DEVICE_FIELDS = (
     "launch_overhead",
     "overlap_efficiency",
     "memory_in_place",
+    "core_share",
 )
 
 
@@ -75,7 +76,7 @@ def _dtype_key(dtype: str | torch.dtype) -> str:
 def _fraction(value: float, what: str) -> float:
     value = float(value)
     if not 0 < value <= 1:
-        raise ValueError(f"{what} is a fraction of a peak: it must be in (0, 1], got {value!r}")
+        raise ValueError(f"{what} is a fraction: it must be in (0, 1], got {value!r}")
     return value
 
 
@@ -125,8 +126,9 @@ class DeviceSpec:
     # for NCCL on its own SMs (the GPU presets' assumption); processes sharing CPU cores
     # with gloo's threads hide little (`autopar calibrate` measures it)
     overlap_efficiency: float = 1.0
-    # the smallest of a matmul kernel's rows, inner and columns at which it runs at half
-    # its rate (0: no shape effect): a skinny matmul is far from peak whatever its FLOPs
+    # the side (rows, inner or columns) at which a matmul kernel runs at half its rate,
+    # each side scaling it by d / (d + this) (0: no shape effect): a skinny matmul is far
+    # from peak whatever its FLOPs
     matmul_half_dim: float = 0.0
     # the key length at which attention runs at half of attention_efficiency (0: no effect)
     attention_half_seq: float = 0.0
@@ -154,6 +156,10 @@ class DeviceSpec:
     # `cost_models.optimizer.LOOP_PASSES`). 4 CPU processes on 2 cores: AdamW ran 0.10-0.12 G
     # elements/s on 16 MiB tensors, where its 20 passes were priced ~0.24
     update_rates: tuple[tuple[int, float, float], ...] = ()
+    # the share of a CPU core each process had while the rates above were measured, all
+    # computing at once (min(1, cores / processes); 1: one each, as every GPU has): below
+    # 1, a process computes faster while others on its cores wait (`search.core_sharing`)
+    core_share: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -168,7 +174,10 @@ class DeviceSpec:
         object.__setattr__(
             self, "memory_bandwidth", _positive(self.memory_bandwidth, "memory_bandwidth")
         )
-        for name in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
+        for name in (
+            *("matmul_efficiency", "attention_efficiency", "memory_efficiency"),
+            "core_share",
+        ):
             object.__setattr__(self, name, _fraction(getattr(self, name), name))
         for name in (
             *("matmul_half_flops", "matmul_half_dim", "launch_overhead", "memory_in_place"),

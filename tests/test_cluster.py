@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -121,6 +122,7 @@ def test_dict_round_trip() -> None:
         Cluster.preset("dgx-a100-80g", nodes=4, mesh=(4, 2, 4), axis_names=("pp", "dp", "tp")),
         Cluster.preset("p3.16xlarge", nodes=2),
         Cluster.preset("cpu", mesh=(2, 2)),
+        replace(cpu := Cluster.preset("cpu", mesh=(4,)), device=replace(cpu.device, core_share=0.5)),
     ):
         d = json.loads(json.dumps(c.to_dict()))
         back = Cluster.from_dict(d)
@@ -133,8 +135,10 @@ def test_dict_round_trip() -> None:
     for key in ("matmul_efficiency", "memory_efficiency", "launch_overhead"):
         del old["device"][key]
     old["links"] = [{"bandwidth": 1e9, "latency": 5e-5}]
+    del old["device"]["core_share"]
     back = Cluster.from_dict(old)
     assert back.device.matmul_efficiency == 1.0 and back.links[0].efficiency == 1.0
+    assert back.device.core_share == 1.0  # a process a core: as before
     # a file that set the uniform overlap autopar no longer reads: loaded, with a warning
     old["comm_overlap"] = 0.5
     with pytest.warns(UserWarning, match="comm_overlap=0.5, which autopar no longer reads"):
@@ -170,6 +174,9 @@ def test_efficiency_validation() -> None:
             DeviceSpec("x", {"float32": 1e12}, 1e9, 1e9, update_rates=((2, 2**16, rate),))
     with pytest.raises(ValueError, match="update_rates size"):
         DeviceSpec("x", {"float32": 1e12}, 1e9, 1e9, update_rates=((2, -1.0, 1e9),))
+    for share in (0.0, 1.5):
+        with pytest.raises(ValueError, match="core_share"):
+            DeviceSpec("x", {"float32": 1e12}, 1e9, 1e9, core_share=share)
 
 
 def test_local_without_process_group(monkeypatch) -> None:

@@ -74,6 +74,7 @@ def _clusters() -> list[Cluster]:
         memory_in_place=2e10,
         op_rates=rates,
         update_rates=updates,
+        core_share=0.5,  # measured on 4 processes sharing 2 cores
     )
     out.append(replace(cpu, device=device, links=(slow, slow)))
     return out

@@ -410,9 +410,9 @@ def test_a_replicated_operand_is_read_whole_by_every_rank() -> None:
     assert ctx.node_cost(addmm, tp) == pytest.approx(tp_time, rel=1e-12)
 
 
-def test_a_thin_matmul_runs_at_its_smallest_sides_share_of_the_rate() -> None:
-    """With `matmul_half_dim` h, a matmul's efficiency is scaled by d / (d + h) in its
-    smallest local side d (rows, inner, columns under the strategy); 0 changes nothing."""
+def test_a_matmul_runs_at_each_of_its_sides_share_of_the_rate() -> None:
+    """With `matmul_half_dim` h, a matmul's efficiency is scaled by d / (d + h) for each of
+    its local sides d (rows, inner, columns under the strategy); 0 changes nothing."""
     from dataclasses import replace
 
     from autopar.capture import capture
@@ -423,17 +423,23 @@ def test_a_thin_matmul_runs_at_its_smallest_sides_share_of_the_rate() -> None:
     thin = replace(base, device=replace(base.device, matmul_half_dim=32.0))
     f = 1e9
     plain = compute.compute_efficiency(f, "matmul", base)
-    assert compute.compute_efficiency(f, "matmul", base, min_dim=64) == plain
-    assert compute.compute_efficiency(f, "matmul", thin, min_dim=32) == pytest.approx(plain / 2)
-    assert compute.compute_efficiency(f, "matmul", thin, min_dim=None) == plain
-    assert 0 < compute.compute_efficiency(f, "matmul", thin, min_dim=1) < plain <= 1
+    assert compute.compute_efficiency(f, "matmul", base, dims=(64, 64, 64)) == plain
+    assert compute.compute_efficiency(f, "matmul", thin, dims=(32,)) == pytest.approx(plain / 2)
+    both = compute.compute_efficiency(f, "matmul", thin, dims=(32, 96, 32))
+    assert both == pytest.approx(plain / 2 * 3 / 4 / 2)
+    assert compute.compute_efficiency(f, "matmul", thin, dims=None) == plain
+    assert 0 < compute.compute_efficiency(f, "matmul", thin, dims=(1, 1e9, 1e9)) < plain <= 1
+    # a second small side slows it further; a wider one never slows it
+    wide = compute.compute_efficiency(f, "matmul", thin, dims=(32, 4096, 4096))
+    assert both < wide < plain / 2
     captured = capture(nn.Linear(512, 256), (torch.randn(128, 512),), loss_fn=lambda y: y.sum())
     addmm = next(n for n in captured.gm.graph.nodes if n.target == torch.ops.aten.addmm.default)
     assert compute.matmul_dims(addmm) == ((1, 0, 128), (1, 1, 512), (2, 1, 256))
     dp = NodeStrategy(((R,), (S0,), (R,)), ((S0,),))  # 32 rows per rank
     tp = NodeStrategy(((S0,), (R,), (S1,)), ((S1,),))  # 64 columns per rank
-    assert compute.smallest_local_dim(compute.matmul_dims(addmm), dp.inputs, (4,)) == 32
-    assert compute.smallest_local_dim(compute.matmul_dims(addmm), tp.inputs, (4,)) == 64
+    sides = compute.matmul_dims(addmm)
+    assert compute.local_matmul_dims(sides, dp.inputs, (4,)) == (32, 512, 256)
+    assert compute.local_matmul_dims(sides, tp.inputs, (4,)) == (128, 512, 64)
     slow, fast = CostContext(thin), CostContext(base)
     for s in (dp, tp):
         assert slow.node_cost(addmm, s) > fast.node_cost(addmm, s)

@@ -26,11 +26,13 @@ Time (``compute_time``): a roofline at the rates kernels achieve, plus launches:
 ``eff`` depends on the op class (``op_class``): matmuls follow the size curve
 ``eff(f) = matmul_efficiency * f / (f + matmul_half_flops)`` in the FLOPs ``f`` of one kernel
 (small matmuls are far from peak; the curve is a fixed ``half_flops / (peak * eff)`` seconds
-per kernel added to the large-matmul rate), times ``d / (d + matmul_half_dim)`` in the
-smallest local dimension ``d`` of a plain matmul (``matmul_dims``: a skinny matmul, a few
-rows of a microbatch split many ways or a weight gradient over them, is far from peak
-whatever its FLOPs: on a 2-core CPU ``[32, 2048] @ [2048, 2048]`` ran at 0.62 of the large
-rate, ``d_half`` ~19), fused attention runs at
+per kernel added to the large-matmul rate), times ``d / (d + matmul_half_dim)`` for each
+local side ``d`` of a plain matmul (``matmul_dims``: rows, inner dimension and columns; a
+matmul with a small side, a few rows of a microbatch split many ways or a weight gradient
+over them, is far from peak whatever its FLOPs: on a 2-core CPU ``[32, 2048] @ [2048,
+2048]`` ran at 0.62 of the large rate, ``d_half`` ~19; and every small side slows it: 4
+processes on 2 cores ran a GPT layer's ``[512, 256] @ [256, 768]`` at 0.86 of the large
+rate, where its smallest side alone would have given 0.94), fused attention runs at
 ``attention_efficiency``, times ``kv / (kv + attention_half_seq)`` in its key length
 ``kv`` (a 128-token attention ran at ~0.7 of a 1024-token one's rate on a 2-core CPU,
 whatever its batch and heads: the rate follows the sequence, not the FLOPs) and, under a
@@ -85,7 +87,7 @@ __all__ = [
     "rated_seconds",
     "matmul_dims",
     "shard_count",
-    "smallest_local_dim",
+    "local_matmul_dims",
     "op_class",
     "training_kernels",
     "node_bytes",
@@ -276,7 +278,7 @@ _MATRIX_OPERANDS = {  # op -> positions of its two matrices among its operands
 def matmul_dims(node: Node) -> tuple[tuple[int, int, int], ...] | None:
     """(operand position, tensor dim, size) of a plain matmul's rows, inner dimension and
     columns (``a [.., M, K] @ b [.., K, N]``), what its three kernels' smallest dimension
-    is read from once a strategy shards them; None for any other node."""
+    are read from once a strategy shards them; None for any other node."""
     pair = _MATRIX_OPERANDS.get(_packet(node))
     if pair is None:
         return None
@@ -294,16 +296,16 @@ def matmul_dims(node: Node) -> tuple[tuple[int, int, int], ...] | None:
     )
 
 
-def smallest_local_dim(
+def local_matmul_dims(
     dims: tuple[tuple[int, int, int], ...], inputs: tuple, mesh_shape: tuple[int, ...]
-) -> float:
-    """The smallest of `matmul_dims`' sizes once the specs `inputs` (a strategy's, per
-    operand) shard them."""
-    out = math.inf
+) -> tuple[float, ...]:
+    """`matmul_dims`' sizes (rows, inner, columns) once the specs `inputs` (a strategy's,
+    per operand) shard them."""
+    out = []
     for pos, dim, size in dims:
         spec = inputs[pos] if pos < len(inputs) else None
-        out = min(out, size / shard_count(spec, mesh_shape, dim))
-    return out
+        out.append(size / shard_count(spec, mesh_shape, dim))
+    return tuple(out)
 
 
 def shard_count(spec, mesh_shape: tuple[int, ...], dim: int | None = None) -> int:
@@ -326,12 +328,12 @@ def compute_efficiency(
     flops_per_kernel: float,
     op: str,
     cluster: Cluster,
-    min_dim: float | None = None,
+    dims: tuple[float, ...] | None = None,
     keys: tuple[float, bool] | None = None,
 ) -> float:
     """Achieved fraction of peak FLOP/s of one ``op``-class kernel of that size, in (0, 1];
-    ``min_dim``: a matmul's smallest local dimension (rows, inner, columns; None: unknown),
-    which scales it by ``min_dim / (min_dim + matmul_half_dim)``; ``keys``: an attention's
+    ``dims``: a matmul's local sides (rows, inner, columns: `local_matmul_dims`; None:
+    unknown), each scaling it by ``d / (d + matmul_half_dim)``; ``keys``: an attention's
     (key length, causal) (`attention_keys`; None: unknown, the long unmasked rate)."""
     device = cluster.device
     if op == "attention":
@@ -351,8 +353,8 @@ def compute_efficiency(
     half = device.matmul_half_flops
     size = f / (f + half) if half > 0 else 1.0
     thin = device.matmul_half_dim
-    if min_dim is not None and thin > 0:
-        size *= min_dim / (min_dim + thin)
+    if dims is not None and thin > 0:
+        size *= math.prod(d / (d + thin) for d in dims)
     # a kernel too small to measure still makes progress: floor far below any real figure
     return max(device.matmul_efficiency * size, 1e-9)
 
@@ -365,13 +367,13 @@ def compute_time(
     *,
     op: str = "matmul",
     kernels: int = 1,
-    min_dim: float | None = None,
+    dims: tuple[float, ...] | None = None,
     keys: tuple[float, bool] | None = None,
     in_place: bool = False,
     rated: float = 0.0,
 ) -> float:
     """Seconds of ``kernels`` kernels of class ``op`` doing ``flops`` and moving ``nbytes``
-    in total (see the module docstring; ``min_dim``, ``keys``: `compute_efficiency`;
+    in total (see the module docstring; ``dims``, ``keys``: `compute_efficiency`;
     ``in_place``: each writes into an input, `DeviceSpec.memory_rate`), or the ``rated``
     seconds their arithmetic takes where that is longer (`rated_seconds`); 0 work costs
     nothing."""
@@ -379,7 +381,7 @@ def compute_time(
         return 0.0
     device = cluster.device
     k = max(int(kernels), 1)
-    eff = compute_efficiency(flops / k, op, cluster, min_dim, keys)
+    eff = compute_efficiency(flops / k, op, cluster, dims, keys)
     return (
         max(
             flops / (device.peak_flops_for(dtype) * eff),

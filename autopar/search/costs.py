@@ -174,7 +174,7 @@ class CostContext(EdgeMatrices, EdgeCollectives):
             self.cluster,
             op=compute.op_class(n),
             kernels=compute.training_kernels(n),
-            min_dim=self._min_dim(n, s),
+            dims=self._matmul_sides(n, s),
             keys=self._attention_keys(n),
             rated=compute.rated_seconds(n, self.cluster.device, 1 / split, backward=True),
         )
@@ -200,7 +200,7 @@ class CostContext(EdgeMatrices, EdgeCollectives):
             dtype,
             self.cluster,
             op=compute.op_class(n),
-            min_dim=self._min_dim(n, s),
+            dims=self._matmul_sides(n, s),
             keys=self._attention_keys(n),
             rated=compute.rated_seconds(n, self.cluster.device, 1 / split, backward=False),
         )
@@ -256,11 +256,11 @@ class CostContext(EdgeMatrices, EdgeCollectives):
             self._keys[n] = compute.attention_keys(n)
         return self._keys[n]
 
-    def _min_dim(self, n: fx.Node, s: NodeStrategy) -> float | None:
-        """A plain matmul's smallest local dimension under `s` (`compute.matmul_dims`)."""
+    def _matmul_sides(self, n: fx.Node, s: NodeStrategy) -> tuple[float, ...] | None:
+        """A plain matmul's local sides under `s` (`compute.matmul_dims`)."""
         if (dims := self._matmul_dims.get(n, ())) == ():
             dims = self._matmul_dims[n] = compute.matmul_dims(n)
-        return None if dims is None else compute.smallest_local_dim(dims, s.inputs, self.mesh_shape)
+        return None if dims is None else compute.local_matmul_dims(dims, s.inputs, self.mesh_shape)
 
     def _shards(self, spec: Spec | None) -> int:
         if spec is None:

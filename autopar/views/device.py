@@ -23,7 +23,7 @@ def device_lines(device: DeviceSpec) -> list[str]:
     if device.matmul_half_flops:
         lines[-1] += f"; half rate at {device.matmul_half_flops / 1e6:.3g} MFLOP a kernel"
     if device.matmul_half_dim:
-        lines[-1] += f"; half rate at {device.matmul_half_dim:.3g} rows"
+        lines[-1] += f"; half rate at a side of {device.matmul_half_dim:.3g}"
     rate = device.memory_bandwidth * device.memory_efficiency
     memory = f"memory-bound: {rate / 1e9:.4g} GB/s"
     if device.memory_curve:
@@ -53,4 +53,6 @@ def device_lines(device: DeviceSpec) -> list[str]:
         f"launch {device.launch_overhead * 1e6:.3g} us a kernel; "
         f"{device.overlap_efficiency:.2g} of a collective hides under compute"
     )
+    if device.core_share < 1:
+        lines[-1] += f"; measured on {device.core_share:.2g} of a CPU core a process"
     return lines
