@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.cluster import Cluster
+from autopar.devices import cache_host_memory
 from autopar.options import PlanOptions
 from autopar.plan import Plan
 from autopar.planning import plan_model, smaller_microbatch
@@ -81,6 +82,9 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     and `reshard_after_forward` ("auto": searched per layer, or True/False: FSDP-gathered
     weights freed after forward and gathered again for backward) pin the memory levers.
     The options are those of `autopar.options.PlanOptions`.
+    On a CPU mesh the process keeps its freed host memory for reuse, as a GPU's caching
+    allocator does (`autopar.devices.cache_host_memory`; `AUTOPAR_HOST_MALLOC=system`
+    leaves the allocator alone).
     """
     options = PlanOptions(
         strategy=strategy,
@@ -109,6 +113,8 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile
     if isinstance(plan, (str, Path)):
         plan = Plan.load(plan)
     plan, captured, mesh = plan_for_ranks(model, example_inputs, cluster, loss_fn, options, plan)
+    if mesh.device_type == "cpu":  # as a GPU's caching allocator: freed tensors kept
+        cache_host_memory()
     if plan.pipeline is not None:
         smaller = smaller_microbatch(model, example_inputs, loss_fn, options, plan)
         return PipelineModel(model, captured, plan, mesh, optimizer, smaller)

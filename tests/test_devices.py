@@ -5,7 +5,8 @@ clear error otherwise), which device a backend runs on, which preset `Cluster.lo
 a GPU with, that under a live gloo group `Cluster.local` and `device_mesh` give the CPU
 (whatever machine the cluster describes) and is built once per process, that local shards land on the mesh's device,
 that a plan splitting attention on the sequence is refused off the CPU (its kernels'
-handlers exist for the CPU flash kernels only),
+handlers exist for the CPU flash kernels only), that a CPU process keeps its freed host
+memory (`cache_host_memory`),
 and that `autopar run --backend` and the test harness follow the same choice. The NCCL
 runs themselves are `test_parity.py`'s `multigpu` test.
 """
@@ -13,6 +14,9 @@ runs themselves are `test_parity.py`'s `multigpu` test.
 from __future__ import annotations
 
 import datetime
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -171,3 +175,36 @@ def test_context_parallel_on_a_gpu_is_refused_with_the_fix() -> None:
     check_context_parallel_runs(node, "S(0),R", "cuda")  # no sequence split
     with pytest.raises(NotImplementedError, match="context parallelism.*Fix: plan without"):
         check_context_parallel_runs(node, "R,S(2)", "cuda")
+
+
+_FAULTS = """
+import resource, sys, torch
+from autopar.devices import cache_host_memory
+applied = cache_host_memory()
+assert cache_host_memory() is applied  # once per process
+def faults():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(4):
+        t = torch.ones(16 * 2**20)  # 64 MiB, written whole
+        del t
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+faults()  # the first allocation maps its pages either way
+print(applied, faults())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+@pytest.mark.parametrize("mode", ["cache", "system"])
+def test_a_cpu_process_keeps_its_freed_host_memory(mode: str) -> None:
+    """`cache_host_memory`: glibc maps a 64 MiB tensor afresh each time (a page fault per
+    4 KiB page written, ~16k) unless the process keeps its freed memory; with
+    AUTOPAR_HOST_MALLOC=system the allocator is left alone."""
+    env = {**os.environ, "AUTOPAR_HOST_MALLOC": mode}
+    out = subprocess.run(
+        [sys.executable, "-c", _FAULTS], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
+    applied, faults = out[0] == "True", int(out[1])
+    if mode == "system":
+        assert not applied and faults > 4 * 10_000
+    elif applied:  # glibc: the pages are the ones freed, already mapped
+        assert faults < 4 * 1_000
