@@ -29,7 +29,9 @@ threads' included, summed) and their ratio torch / autopar, and autopar's predic
 time (`plan.predicted_step_time`). Where processes share cores (4 ranks on a 2-core box) a
 step is CPU bound and the ranks' scheduling moves its wall time by several %; the CPU
 column is the one to compare there (2026-11-30: dp 0.96-0.98x DDP in wall time, 0.99x
-in CPU). The losses of each pair must agree at every step (`--tol`,
+in CPU; 2026-11-30 evening, 20 steps: 1.00x in both). Both run in processes that keep
+their freed host memory (`autopar.devices.cache_host_memory`, set by `init_rank` and by
+`autopar.compile` on a CPU mesh). The losses of each pair must agree at every step (`--tol`,
 relative): the bench exits 1 when a run diverges.
 
 `--cluster FILE` plans autopar's runs on a calibrated cluster (`autopar calibrate`: gloo's
