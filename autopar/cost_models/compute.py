@@ -277,7 +277,7 @@ _MATRIX_OPERANDS = {  # op -> positions of its two matrices among its operands
 
 def matmul_dims(node: Node) -> tuple[tuple[int, int, int], ...] | None:
     """(operand position, tensor dim, size) of a plain matmul's rows, inner dimension and
-    columns (``a [.., M, K] @ b [.., K, N]``), what its three kernels' smallest dimension
+    columns (``a [.., M, K] @ b [.., K, N]``), what its three kernels' local sides
     are read from once a strategy shards them; None for any other node."""
     pair = _MATRIX_OPERANDS.get(_packet(node))
     if pair is None:

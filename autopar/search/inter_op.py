@@ -18,8 +18,9 @@ fused per layer and prefetched, a sharded parameter's gradient reduce-scatters b
 behind every microbatch's backward, waits at first use, `search.step.overlapped_time`),
 forward t/3 and backward 2t/3 (of which the zero-bubble schedules' W action runs the
 weight-gradient matmuls, `schedules.weight_gradient_work`), the activation sends between
-ranks, and gives each rank's peak in-flight microbatches, which multiplies its stages'
-activation memory. Each stage all-reduces its replicated parameters' gradients once per
+ranks (on processes that share CPU cores, `DeviceSpec.core_share` < 1, a longer stage's
+compute runs on the cores the others leave: `search.core_sharing`), and gives each rank's
+peak in-flight microbatches, which multiplies its stages' activation memory. Each stage all-reduces its replicated parameters' gradients once per
 step from its last backward (`reduced_per_step`, `runtime.pipeline.GradientSync`), one
 flat buffer per (collective, mesh axis, dtype) (`cost_models.buckets.fused_time`), on
 its rank's communication channel while its other stages compute (`schedules.synced_end`);
