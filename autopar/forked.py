@@ -1,6 +1,7 @@
 """A function run in a forked process while this one goes on, its answer taken later.
 
-    call = Forked.start(fn)     # fn() runs in a child forked now (or later, here)
+    call = Forked.start(fn)     # fn() runs in a child forked now (or later, here);
+                                # nice=19: at the lowest priority, on idle cycles
     ...                         # this process works meanwhile
     value = call.result()       # fn's picklable answer (its error raised here)
 
@@ -16,6 +17,7 @@ recording, `search.progress`, counts them in its total).
 from __future__ import annotations
 
 import multiprocessing
+import os
 import sys
 import time
 import traceback
@@ -50,12 +52,15 @@ class Forked:
         self._process = None
 
     @classmethod
-    def start(cls, fn: Callable[[], object]) -> Forked:
+    def start(cls, fn: Callable[[], object], nice: int = 0) -> Forked:
+        """`fn` started in a child; `nice` > 0 lowers its scheduling priority by that much
+        (19: it runs on the cycles this machine's other work leaves idle)."""
         call = cls(fn)
         if can_fork():
             ctx = multiprocessing.get_context("fork")
             parent_end, child_end = ctx.Pipe(duplex=False)
-            call._process = ctx.Process(target=_child, args=(fn, child_end), daemon=True)
+            args = (fn, child_end, nice)
+            call._process = ctx.Process(target=_child, args=args, daemon=True)
             call._process.start()
             child_end.close()
             call._conn = parent_end
@@ -87,8 +92,10 @@ class Forked:
             self._conn = None
 
 
-def _child(fn: Callable[[], object], conn) -> None:
+def _child(fn: Callable[[], object], conn, nice: int = 0) -> None:
     torch.set_num_threads(1)  # beside this process's own work
+    if nice > 0:
+        os.nice(nice)
     start = time.process_time()
     try:
         value = fn()

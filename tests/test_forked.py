@@ -18,6 +18,16 @@ def test_the_answer_comes_from_a_forked_child() -> None:
     assert Forked.start(os.getpid).result() != here
 
 
+def test_a_child_started_nice_runs_at_that_lower_priority() -> None:
+    """`nice=19` (the three-block check started ahead): the child runs on idle cycles;
+    this process keeps its own priority."""
+    if not forked.can_fork():
+        pytest.skip("this platform does not fork")
+    mine = os.nice(0)
+    assert Forked.start(lambda: os.nice(0), nice=19).result() == min(19, mine + 19)
+    assert Forked.start(lambda: os.nice(0)).result() == mine == os.nice(0)
+
+
 def test_without_fork_the_function_runs_here_when_asked(monkeypatch) -> None:
     monkeypatch.setattr(forked, "can_fork", lambda: False)
     calls = []

@@ -178,18 +178,24 @@ class _Check:
         return self.model is model and self.loss_fn is loss_fn and self.shapes == _shapes(args)
 
 
+IDLE_PRIORITY = 19  # `os.nice` of the check started ahead: it runs on idle cycles
+
+
 def start_check(model: nn.Module, args: Sequence, loss_fn: Callable | None) -> _Check | None:
     """The three-block check of the template `capture_template(model, args, loss_fn)`
-    will capture, started now in a forked process (None where nothing would be cut or no
-    process can be forked). The layout search's first second traces its template (twice,
-    on two cores: `capture.rows`); the check runs meanwhile, and a final plan built from
-    that template (`Template.adopt`) finds its answer waiting."""
+    will capture, started now in a forked process at the lowest priority (None where
+    nothing would be cut or no process can be forked). The layout search's first second
+    traces its template (twice, on two cores: `capture.rows`) and then prices its degrees
+    in as many processes as cores; the check runs on what they leave idle, and alone once
+    the final plan waits for it (`Template.adopt`). Started at its turn instead (once the
+    pricing was done) it ran ~1 s at the end of Llama-3-8B's 4.4-4.9 s plan; started at
+    once at the same priority as the search it slowed the traces as much as it saved."""
     stacks = _cut(model, TEMPLATE_BLOCKS)
     if not stacks or not can_fork():
         return None
     cut = tuple((s.path, len(s.blocks), s.first) for s in stacks)
     fn = _three_traced(model, cut, args, loss_fn)
-    return _Check(model, loss_fn, Forked.start(fn), _shapes(args), cut)
+    return _Check(model, loss_fn, Forked.start(fn, nice=IDLE_PRIORITY), _shapes(args), cut)
 
 
 def _three_traced(model: nn.Module, stacks, args, loss_fn: Callable | None):

@@ -69,7 +69,6 @@ from autopar.search.stage_meshes import rank_variants
 from autopar.search.template_plan import prepare_on_template, solve_on_template
 
 MICROBATCH_ROWS = (1, 2)  # rows per data-parallel replica in one microbatch
-CHECK_EARLY_CORES = 3  # cores that run the three-block check beside the template's traces
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,10 +308,9 @@ def _search_layout(
     _check_state_fits(model, cluster, options)
     pricer = _Pricer(model, batch, cluster, options, loss_fn)
     rows = batch[0].shape[0]
-    # the three-block check on a third core beside the template's two traces; with fewer,
-    # once this process has priced its degrees (then a core is idle but for it)
-    early = ahead.cores() >= CHECK_EARLY_CORES
-    check = start_check(model, batch, loss_fn) if early else None
+    # the three-block check, forked now at the lowest priority: it runs on the cycles the
+    # template's traces and the pricing processes leave idle, and on its own at the end
+    check = start_check(model, batch, loss_fn)
     whole = pricer.template(rows)
     whole.adopt(check)
     layers = whole.total_layers or _captured_layers(pricer)
@@ -332,7 +330,6 @@ def _search_layout(
             len(degrees),
             lambda i, nxt, bar: _price_degree(pricer, degrees, i, nxt, schedule, bar),
             workers.processes_for(len(degrees)),
-            None if early else lambda: _check_when_idle(whole, model, batch, loss_fn),
         )
         tried = {key: why for degree in found for key, why in degree.tried.items()}
         priced = [p for degree in found for p in degree.priced]
@@ -349,13 +346,6 @@ def _search_layout(
     priced.sort(key=operator.itemgetter(0))  # stable: ties in pricing order, `best` first
     elapsed = time.perf_counter() - t0
     return LayoutSearch(priced, tried, elapsed, pricer.templates, pricer.template)
-
-
-def _check_when_idle(whole: Template, model, batch, loss_fn) -> None:
-    """`whole`'s three-block check forked once no solve started ahead runs (`ahead.clear`:
-    a fork copies only its own thread; none may be inside the solver then)."""
-    ahead.clear()
-    whole.adopt(start_check(model, batch, loss_fn))
 
 
 def _price_stage_meshes(pricer: _Pricer, best, tried: dict, priced: list) -> list[tuple]:

@@ -112,24 +112,13 @@ class _Run:
             cur = nxt
 
 
-def price_in_processes(
-    count: int, price: Callable, processes: int, when_idle: Callable[[], None] | None = None
-) -> list:
+def price_in_processes(count: int, price: Callable, processes: int) -> list:
     """`price(i, nxt, bar)` of every degree index `i` in `range(count)`, in that order, on
-    `processes` processes (this one and forked ones); `when_idle()` once this process has
-    no degree left to price (the others may still be pricing theirs)."""
-    called: list[bool] = []
-
-    def idle() -> None:
-        if when_idle is not None and not called:
-            called.append(True)
-            when_idle()
-
+    `processes` processes (this one and forked ones)."""
     if processes <= 1:
         bar, out = Bar(), []
         for i in range(count):
             out.append(price(i, i + 1 if i + 1 < count else None, bar))
-        idle()
         return out
     ctx = multiprocessing.get_context("fork")
     run = _Run(price, ctx.Array("i", [0, count - 1]), Bar(ctx.Value("d", math.inf)))
@@ -142,7 +131,6 @@ def price_in_processes(
             _drain(children, run, inbox, wait=False)
 
         run.walk(report, from_back=False)
-        idle()
         with progress.phase("waiting"):
             while not all(c.done for c in children):
                 _drain(children, run, inbox, wait=True)
