@@ -24,7 +24,9 @@ relative error, and the measured rank of the plans the search picked ("auto"). T
 (issue 10): Spearman >= 0.9, median error <= 20%, the pick fastest or within 10%.
 Measurements on a shared, loaded machine are noisy: say so beside the figures. A cluster
 file describes the machine on the day it was calibrated (`taken_at`): one older than
-`STALE_HOURS`, or undated, is reported before the run.
+`STALE_HOURS`, or undated, is reported before the run; so is one without `core_share`,
+written before `autopar calibrate` ran under `autopar.devices.cache_host_memory` (its
+rates are another allocator's: large outputs mapped afresh, 2-6x slower on this box).
 """
 
 from __future__ import annotations
@@ -250,6 +252,12 @@ def main(argv: list[str] | None = None) -> int:
             f"warning: {args.cluster} is a calibration {when}: it describes the machine on "
             "its day (a two-day-old file read every gpt:small row ~20% fast); --calibrate "
             "measures this one now"
+        )
+    if "core_share" not in json.loads(Path(args.cluster).read_text()).get("device", {}):
+        print(
+            f"warning: {args.cluster} was calibrated before autopar's processes kept their "
+            "freed host memory (devices.cache_host_memory): its memory-bound and optimizer "
+            "rates are another allocator's; --calibrate measures this one now"
         )
     results = []
     with tempfile.TemporaryDirectory(prefix="autopar-bench-") as tmp:
