@@ -90,7 +90,13 @@ import torch.multiprocessing as mp
 from autopar.calibration_fit import cluster_from_measurements
 from autopar.calibration_timing import MAX_CALLS, agree, loops_for, timed, timed_in_turns
 from autopar.cluster import Cluster
-from autopar.devices import choose_backend, free_port, init_rank, process_group_device
+from autopar.devices import (
+    choose_backend,
+    free_port,
+    init_rank,
+    local_cores,
+    process_group_device,
+)
 
 __all__ = ["SIZES", "calibrate", "write_calibration"]
 
@@ -474,10 +480,7 @@ def _device_name(device: str) -> str:
 
 def _core_share(device: str, world: int) -> float:
     """The share of a core each of the `world` local processes had (1 on a GPU: its own)."""
-    if device != "cpu":
-        return 1.0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return min(1.0, (cores or 1) / world)
+    return 1.0 if device != "cpu" else min(1.0, local_cores() / world)
 
 
 def _memory_bytes(device: str, world: int) -> float:

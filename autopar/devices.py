@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import datetime
+import functools
 import os
 import socket
 from typing import Any
@@ -145,10 +146,16 @@ def device_mesh(device_type: str, ranks: torch.Tensor, names: tuple[str, ...]) -
     return meshes[key]
 
 
+def local_cores() -> int:
+    """The CPU cores this process may run on."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return n or 1
+
+
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
-_HOST_CACHED: list[bool] = []  # whether this process's allocator was set (once)
 
 
+@functools.cache
 def cache_host_memory() -> bool:
     """Keep this process's freed host memory for its next tensors, as CUDA's caching
     allocator keeps device memory: glibc's malloc otherwise maps each large tensor afresh
@@ -161,18 +168,13 @@ def cache_host_memory() -> bool:
     the process holds its peak, as a GPU process holds its cached blocks. glibc only (not
     musl, macOS or Windows), once per process; ``AUTOPAR_HOST_MALLOC=system`` leaves the
     allocator as it is. Returns whether it is set."""
-    if _HOST_CACHED:
-        return _HOST_CACHED[0]
-    ok = False
-    if os.environ.get("AUTOPAR_HOST_MALLOC", "cache") != "system":
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c"))
-            if hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallopt"):
-                libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)  # int mallopt(int, int)
-                ok = bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(
-                    libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
-                )
-        except OSError:  # no C library to load by that name
-            ok = False
-    _HOST_CACHED.append(ok)
-    return ok
+    if os.environ.get("AUTOPAR_HOST_MALLOC", "cache") == "system":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    except OSError:  # no C library to load by that name
+        return False
+    if not (hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallopt")):
+        return False
+    libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)  # int mallopt(int, int)
+    return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))

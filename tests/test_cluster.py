@@ -122,7 +122,9 @@ def test_dict_round_trip() -> None:
         Cluster.preset("dgx-a100-80g", nodes=4, mesh=(4, 2, 4), axis_names=("pp", "dp", "tp")),
         Cluster.preset("p3.16xlarge", nodes=2),
         Cluster.preset("cpu", mesh=(2, 2)),
-        replace(cpu := Cluster.preset("cpu", mesh=(4,)), device=replace(cpu.device, core_share=0.5)),
+        replace(
+            cpu := Cluster.preset("cpu", mesh=(4,)), device=replace(cpu.device, core_share=0.5)
+        ),
     ):
         d = json.loads(json.dumps(c.to_dict()))
         back = Cluster.from_dict(d)

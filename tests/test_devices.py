@@ -206,5 +206,7 @@ def test_a_cpu_process_keeps_its_freed_host_memory(mode: str) -> None:
     applied, faults = out[0] == "True", int(out[1])
     if mode == "system":
         assert not applied and faults > 4 * 10_000
-    elif applied:  # glibc: the pages are the ones freed, already mapped
-        assert faults < 4 * 1_000
+        return
+    if not applied:
+        pytest.skip("this C library is not glibc: its allocator is left as it is")
+    assert faults < 4 * 1_000  # the pages are the ones freed, already mapped

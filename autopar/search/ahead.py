@@ -16,10 +16,11 @@ pruned is only lost time.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+
+from autopar.devices import local_cores
 
 _KEPT: dict[Hashable, object] = {}  # key -> prepared work, oldest first
 KEPT_AT_MOST = 2  # a candidate prepared ahead, and the one being priced
@@ -61,8 +62,7 @@ def take_meanwhile() -> Callable[[], None] | None:
 
 def cores() -> int:
     """The cores this process may run on."""
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return n or 1
+    return local_cores()
 
 
 def spare_core() -> bool:

@@ -53,21 +53,20 @@ def shared_core_factors(
     device's `core_share`. All 1 where processes had a core each."""
     if share >= 1:
         return [1.0] * len(times)
-    work: dict[int, float] = {}
+    compute_of: dict[int, float] = {}
     waits: dict[int, float] = {}
     for t, k, r in zip(times, compute, ranks, strict=True):
-        work[r] = work.get(r, 0.0) + k * share
+        compute_of[r] = compute_of.get(r, 0.0) + k
         waits[r] = waits.get(r, 0.0) + max(0.0, t - k)
-    cores = share * sum(processes[r] for r in work)
+    # sum of w / cores, with w = compute * share and cores = share * processes: the mean
+    procs = sum(processes[r] for r in compute_of)
     period = max(
-        sum(processes[r] * w for r, w in work.items()) / cores,
-        max(w + waits[r] for r, w in work.items()),
+        sum(processes[r] * k for r, k in compute_of.items()) / procs,
+        max(k * share + waits[r] for r, k in compute_of.items()),
     )
-    factors = []
-    for r in ranks:
-        priced = work[r] / share + waits[r]
-        if priced <= period or work[r] <= 0:
-            factors.append(1.0)
-        else:
-            factors.append((period - waits[r]) * share / work[r])
-    return factors
+    return [
+        (period - waits[r]) / compute_of[r]
+        if compute_of[r] > 0 and compute_of[r] + waits[r] > period
+        else 1.0
+        for r in ranks
+    ]

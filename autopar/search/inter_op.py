@@ -199,14 +199,15 @@ def _simulated(
             fwd[s], bwd[s] = fwd[s] + adds[0], bwd[s] + adds[1]
             times[s] += sum(adds)
     wgrad = [p.wgrad for p in stages]
-    # processes sharing CPU cores: a stage's compute speeds up while others wait
-    compute = [stage_compute(p, t) for p, t in zip(stages, times, strict=True)]
-    processes = {r: math.prod(subs[s].mesh_shape) for s, r in enumerate(ranks)}
     share = cluster.device.core_share
-    for s, f in enumerate(shared_core_factors(times, compute, ranks, processes, share)):
-        saved = (1.0 - f) * compute[s]
-        fwd[s], bwd[s], times[s] = fwd[s] - saved / 3, bwd[s] - 2 * saved / 3, times[s] - saved
-        wgrad[s] *= f
+    if share < 1:  # processes sharing CPU cores: a stage's compute speeds up while others wait
+        compute = [stage_compute(p, t) for p, t in zip(stages, times, strict=True)]
+        processes = {r: math.prod(subs[s].mesh_shape) for s, r in enumerate(ranks)}
+        for s, f in enumerate(shared_core_factors(times, compute, ranks, processes, share)):
+            saved = (1.0 - f) * compute[s]
+            fwd[s], bwd[s] = fwd[s] - saved / 3, bwd[s] - 2 * saved / 3
+            times[s] -= saved
+            wgrad[s] *= f
     grads = [[g for g in p.grads if reduced_per_step(g)] for p in stages]
     ready = None
     if costs[0].zero:  # reduce-scatters; the parameters' all-gathers before each stage's forward
