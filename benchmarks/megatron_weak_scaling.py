@@ -1,6 +1,7 @@
 """autopar's layouts for Megatron-Core's H100 weak-scaling runs, priced beside Megatron's own.
 
     python benchmarks/megatron_weak_scaling.py [--rows 1.7b,7.1b] [--csv out.csv] [--full-plan]
+                                               [--device-from h100.json]
 
 Rows (GPT, seq 4096, vocab 131072, bf16, the cross-entropy on fp32 logits as Megatron-Core
 computes it, 48-way data parallel in Megatron's runs): the
@@ -26,16 +27,35 @@ with TP 8 and no pipeline (32b) are slower than measured by about that communica
 "error" is priced / published - 1. "peak" is the memory a rank
 really holds under that plan (parameters, states, gradients, saved and gathered tensors).
 
+`--device-from FILE` prices every row with the device of a cluster file (what `autopar
+calibrate --nproc 8 -o h100.json` measures on one DGX H100 under NCCL: GEMM rates by shape,
+attention, memory-bound kernels, optimizer updates, launches) in place of the preset's
+published efficiencies; the links stay the preset's (one node cannot measure the fabric
+between nodes).
+
 TFLOP/s per GPU use the model FLOPs of Megatron's formula without recompute:
 72 * B * s * L * h^2 * (1 + s / (6h) + V / (12 L h)) per step.
 "ok": autopar's layout is at least as fast as Megatron's under the same cost model, with
-TP inside a node. `--full-plan` also times the default `autopar.plan(...)` end to end
+TP inside a node.
+
+"published_s" is the step the published TFLOP/s imply; for the rows without a pipeline,
+"floor_fp32_s" / "floor_bf16_s" are the fastest step Megatron's configuration admits with
+its gradients reduced in fp32 (what the pricing assumes: Megatron-LM's default for bf16,
+`accumulate_allreduce_grads_in_fp32`) or in bf16 (`--grad-reduce-in-bf16`), whatever the
+kernels: every hardware FLOP (attention under its causal mask) at the preset's large-GEMM
+rate, no memory-bound op, every tensor-parallel collective hidden, and the data-parallel
+traffic of a rank's parameters (ZeRO-1: gradient reduce-scatter, bf16 parameter all-gather,
+at the preset's link rates) hidden only where Megatron overlaps it: the reduce-scatter
+under the last microbatch's backward (2/3 of its compute), the all-gather under the first
+one's forward (1/3). A published step below its floor says the run was not configured as
+priced. `--full-plan` also times the default `autopar.plan(...)` end to end
 (layout search, full capture, final ILP) on the largest row selected.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 import warnings
@@ -45,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autopar  # noqa: E402
 from autopar.cluster import Cluster  # noqa: E402
+from autopar.cost_models.comm import Collective, collective_time  # noqa: E402
 from autopar.planning import fake_group  # noqa: E402
 from autopar.search.layouts import Layout, _Pricer, search_layout  # noqa: E402
 from autopar.search.pins import SearchOptions  # noqa: E402
@@ -72,10 +93,50 @@ def model_flops(row: str, batch: int) -> float:
     return 72 * batch * SEQ * layers * h * h * (1 + SEQ / (6 * h) + VOCAB / (12 * layers * h))
 
 
-def run_row(row: str) -> dict:
+def hardware_flops(row: str, batch: int) -> float:
+    """`model_flops` with attention's score and value products under their causal mask
+    (half the square: what a flash kernel that skips masked tiles computes)."""
+    h, layers, _ = MEGATRON_SHAPES[row]
+    return 72 * batch * SEQ * layers * h * h * (1 + SEQ / (12 * h) + VOCAB / (12 * layers * h))
+
+
+def floor_seconds(row: str, model, cluster: Cluster, grad_bytes: int) -> float:
+    """The fastest step Megatron's layout of `row` admits without a pipeline (module
+    docstring): compute C = a rank's hardware FLOPs at the large-GEMM rate, and what of the
+    data-parallel reduce-scatter and all-gather exceeds its overlap window (the last
+    microbatch's backward, 2/3 of C / M, and the first one's forward, 1/3 of C / M)."""
+    tp, pp, batch, _ = MEGATRON[row]
+    if pp > 1:
+        return float("nan")
+    layout = Layout(pp, DP, tp, batch // DP)
+    mesh = layout.cluster(cluster)
+    device = cluster.device
+    compute = hardware_flops(row, batch) / (DP * tp)
+    compute /= device.peak_flops["bfloat16"] * device.matmul_efficiency
+    per_microbatch = compute / layout.microbatches
+    params = sum(p.numel() for p in model.parameters()) / tp  # vocab-parallel embeddings too
+    scatter = collective_time(Collective.REDUCE_SCATTER, params * grad_bytes, "dp", mesh)
+    gather = collective_time(Collective.ALL_GATHER, params * 2, "dp", mesh)
+    return (
+        compute
+        + max(0.0, scatter - 2 / 3 * per_microbatch)
+        + max(0.0, gather - 1 / 3 * per_microbatch)
+    )
+
+
+def row_cluster(row: str, device_from: str | None) -> Cluster:
+    """The row's `dgx-h100` cluster; with `device_from`, that cluster file's device."""
+    tp, pp, _, _ = MEGATRON[row]
+    cluster = Cluster.preset("dgx-h100", nodes=DP * tp * pp // 8)
+    if device_from is None:
+        return cluster
+    return dataclasses.replace(cluster, device=Cluster.load(device_from).device)
+
+
+def run_row(row: str, device_from: str | None = None) -> dict:
     tp, pp, batch, measured = MEGATRON[row]
     world = DP * tp * pp
-    cluster = Cluster.preset("dgx-h100", nodes=world // 8)
+    cluster = row_cluster(row, device_from)
     sample = get_sample("gpt")
     model = sample.build(f"megatron-{row}", device="meta")
     inputs = sample.example_batch(model, batch, device="meta")
@@ -113,6 +174,9 @@ def run_row(row: str) -> dict:
         "megatron_measured_tflops": measured,
         "error": flops / m_step / world / 1e12 / measured - 1,
         "x_megatron": ours.step_time / m_step,
+        "published_s": flops / (measured * 1e12 * world),
+        "floor_fp32_s": floor_seconds(row, model, cluster, 4),
+        "floor_bf16_s": floor_seconds(row, model, cluster, 2),
         "tp_inside_node": tp_link is None or tp_link == cluster.fabric.intra,
         "fits": ours.peak_memory <= cluster.device.memory_bytes,
         "search_s": search_s,
@@ -121,9 +185,9 @@ def run_row(row: str) -> dict:
     }
 
 
-def full_plan_seconds(row: str) -> tuple[float, str]:
-    tp, pp, batch, _ = MEGATRON[row]
-    cluster = Cluster.preset("dgx-h100", nodes=DP * tp * pp // 8)
+def full_plan_seconds(row: str, device_from: str | None = None) -> tuple[float, str]:
+    _, _, batch, _ = MEGATRON[row]
+    cluster = row_cluster(row, device_from)
     sample = get_sample("gpt")
     model = sample.build(f"megatron-{row}", device="meta").float()  # the user's fp32 model
     inputs = sample.example_batch(model, batch, device="meta")
@@ -154,6 +218,9 @@ COLUMNS = [
     ("megatron_priced_tflops", "{:.0f}"),
     ("megatron_measured_tflops", "{}"),
     ("error", "{:+.0%}"),
+    ("published_s", "{:.3f}"),
+    ("floor_fp32_s", "{:.3f}"),
+    ("floor_bf16_s", "{:.3f}"),
     ("x_megatron", "{:.3f}"),
     ("tp_inside_node", "{}"),
     ("fits", "{}"),
@@ -168,22 +235,30 @@ def main() -> None:
     parser.add_argument("--rows", default=",".join(MEGATRON))
     parser.add_argument("--csv", default="build/megatron_weak_scaling.csv")
     parser.add_argument("--full-plan", action="store_true")
+    parser.add_argument("--device-from", help="a cluster file whose device prices the rows")
     args = parser.parse_args()
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     results = []
     print(" | ".join(name for name, _ in COLUMNS))
     for row in rows:
-        r = run_row(row)
+        r = run_row(row, args.device_from)
         results.append(r)
         print(" | ".join(fmt.format(r[name]) for name, fmt in COLUMNS), flush=True)
     write_rows_csv(args.csv, results)
     print(f"wrote {args.csv}")
     within = sum(abs(r["error"]) <= 0.15 for r in results)
     print(f"Megatron's layouts priced within 15% of the published TFLOP/s: {within}/{len(results)}")
+    below = [r["row"] for r in results if r["published_s"] < r["floor_fp32_s"]]
+    if below:
+        print(
+            f"published step below the floor of its priced configuration (fp32 gradient "
+            f"reduction): {', '.join(below)}: those runs reduced fewer bytes or overlapped "
+            f"more than priced"
+        )
     ok = sum(r["ok"] for r in results)
     print(f"autopar at least as fast as Megatron's layout, TP inside a node: {ok}/{len(results)}")
     if args.full_plan:
-        seconds, layout = full_plan_seconds(rows[-1])
+        seconds, layout = full_plan_seconds(rows[-1], args.device_from)
         print(f"autopar.plan end to end for {rows[-1]}: {seconds:.1f} s -> {layout}")
 
 
