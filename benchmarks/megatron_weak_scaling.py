@@ -23,7 +23,8 @@ input-gradient all-reduce issued before its weight gradient is computed, as Mega
 asynchronous TP all-reduce, `search.step`). Megatron-Core's H100 runs also overlap the
 forward's tensor-parallel collectives with the GEMMs (`--tp-comm-overlap`: each split into
 chunks pipelined with the GEMM's), which autopar does not run, so the priced Megatron rows
-with TP 8 and no pipeline (32b) are slower than measured by about that communication.
+with TP 8 and no pipeline (32b) are slower than measured by about that communication, and
+by more: its published step is below the floor of its configuration (below).
 "error" is priced / published - 1. "peak" is the memory a rank
 really holds under that plan (parameters, states, gradients, saved and gathered tensors).
 
@@ -112,7 +113,7 @@ def floor_seconds(row: str, model, cluster: Cluster, grad_bytes: int) -> float:
     mesh = layout.cluster(cluster)
     device = cluster.device
     compute = hardware_flops(row, batch) / (DP * tp)
-    compute /= device.peak_flops["bfloat16"] * device.matmul_efficiency
+    compute /= device.peak_flops_for("bfloat16") * device.matmul_efficiency
     per_microbatch = compute / layout.microbatches
     params = sum(p.numel() for p in model.parameters()) / tp  # vocab-parallel embeddings too
     scatter = collective_time(Collective.REDUCE_SCATTER, params * grad_bytes, "dp", mesh)
