@@ -7,6 +7,7 @@ import csv
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -386,6 +387,60 @@ def test_run_matches_single_device() -> None:
     worst = re.search(r"^max \|loss - single-device\| = (\S+)$", proc.stdout, re.M)
     assert worst is not None, proc.stdout
     assert float(worst.group(1)) < 1e-5
+
+
+@pytest.mark.multiproc
+@pytest.mark.own_ranks  # `autopar run` starts its own processes
+@pytest.mark.parametrize("case", ["few layers", "no loss"])
+def test_run_stopped_by_the_planner_prints_its_error_not_torchruns(
+    case: str, tmp_path: Path
+) -> None:
+    """Every rank stops in planning (an interleaved schedule on too few layers; a model that
+    returns no loss, on which rank 0's single-device reference fails first): `autopar run`
+    prints the planner's message once, no rank's traceback and nothing of torchrun's own
+    report (its agent's log lines, `ChildFailedError`'s traceback and banner)."""
+    if case == "few layers":
+        model = ["gpt", "--config", "tiny", "--axis-names", "pp", "--pipeline-stages", "2"]
+        model += ["--microbatches", "4", "--schedule", "zbv"]
+        expected = "error: no pipeline schedule fits: zbv:"
+    else:
+        source = tmp_path / "logits.py"
+        source.write_text(
+            "import torch\n"
+            "def build(config=None):\n    return torch.nn.Linear(4, 4)\n"
+            "def example_batch(model, batch_size):\n    return (torch.randn(batch_size, 4),)\n"
+        )
+        model = [f"{source}:build"]
+        expected = "error: the model must return one scalar loss"
+    cmd = [sys.executable, "-m", "autopar", "run", *model, "--nproc", "2", "--mesh", "2"]
+    proc = subprocess.run([*cmd, "--steps", "1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    said = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(said) == 1 and said[0].startswith(expected), said
+    for torchruns in ("Traceback", "ChildFailedError", "FAILED", "elastic", "SIGTERM"):
+        assert torchruns not in proc.stderr, proc.stderr
+
+
+def test_a_crashed_rank_is_named_with_how_it_stopped() -> None:
+    """Where no rank wrote an error (a crash), the launcher names the rank that failed
+    first, not one torchrun stopped after it, and its exit code or signal."""
+    from types import SimpleNamespace
+
+    from autopar.cli.launch import failure_line, root_failure
+
+    def failed(code: int, when: int):
+        name = signal.Signals(-code).name if code < 0 else "<N/A>"
+        return SimpleNamespace(exitcode=code, timestamp=when, signal_name=lambda: name)
+
+    stopped = {0: failed(-signal.SIGTERM, 5), 1: failed(-signal.SIGKILL, 7), 2: failed(3, 9)}
+    rank, first = root_failure(stopped)
+    assert rank == 1
+    assert failure_line(rank, first.exitcode) == (
+        "rank 1 was killed by SIGKILL (the host's out-of-memory killer sends it)"
+    )
+    assert root_failure({0: failed(-signal.SIGTERM, 5)})[0] == 0  # torchrun's alone
+    assert failure_line(2, 3) == "rank 2 exited with code 3"
+    assert failure_line(0, -signal.SIGSEGV) == "rank 0 was killed by SIGSEGV"
 
 
 def test_a_rank_stopped_by_the_planner_says_why_once(tmp_path: Path) -> None:

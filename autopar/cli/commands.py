@@ -163,12 +163,13 @@ def default_axis_names(ndim: int) -> tuple[str, ...]:
 
 
 def launch_command(nproc: int, worker_args: Sequence[str]) -> list[str]:
-    """torchrun on this interpreter. `--standalone` rendezvouses on `localhost:0`: the OS
-    picks a free port, so concurrent runs never collide."""
+    """torchrun on this interpreter (`autopar.cli.launch`: its failure report one line).
+    `--standalone` rendezvouses on `localhost:0`: the OS picks a free port, so concurrent
+    runs never collide."""
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "autopar.cli.launch",
         "--standalone",
         "--nnodes",
         "1",

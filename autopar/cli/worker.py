@@ -73,15 +73,20 @@ def train(args: argparse.Namespace, rank: int) -> None:
     # every rank's generator as it was before rank 0's reference and the planning drew from
     # it: the parallel run draws the reference's dropout masks, on every rank alike
     rng = torch.random.get_rng_state()
-    ref = (
-        train_single_device(model, batch, args.steps, grads=False, mixed_precision=mp).losses
-        if rank == 0
-        else []
-    )
+    ref, failed = [], None
+    if rank == 0:  # on a copy of the model
+        try:
+            ref = train_single_device(model, batch, args.steps, grads=False, mixed_precision=mp)
+            ref = ref.losses
+        except Exception as exc:  # noqa: BLE001 - the planner says why first, where it can
+            failed = exc
     try:
         pm = compile_model(args, model, batch)
     except (ValueError, SolverTimeout) as exc:  # the planner's and capture's errors
         raise PlanError(str(exc).strip()) from exc
+    if failed is not None:  # a model that trains on no device
+        why = f"{type(failed).__name__}: {str(failed).strip()}"
+        raise PlanError(f"the model does not train on one device: {why}") from failed
     torch.random.set_rng_state(rng)
     if rank == 0:
         print(summary(pm.plan), flush=True)
