@@ -76,8 +76,9 @@ def train(args: argparse.Namespace, rank: int) -> None:
     ref, failed = [], None
     if rank == 0:  # on a copy of the model
         try:
-            ref = train_single_device(model, batch, args.steps, grads=False, mixed_precision=mp)
-            ref = ref.losses
+            ref = train_single_device(
+                model, batch, args.steps, grads=False, mixed_precision=mp
+            ).losses
         except Exception as exc:  # noqa: BLE001 - the planner says why first, where it can
             failed = exc
     try:
