@@ -59,6 +59,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",  # a docstring's line breaks joined, as one paragraph
 )
 
 BENCH_STRATEGIES = ("auto", "dp", "fsdp", "tp")
