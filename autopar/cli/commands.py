@@ -156,7 +156,17 @@ def inspect_cmd(
         fail(f"no such plan file: {plan_file}")
     except (ValueError, KeyError, TypeError) as exc:
         fail(f"{plan_file} is not an autopar plan: {exc}")
-    render_plan(Console(), plan)
+    render_plan(_console(), plan)
+
+
+# a plan's tables written to a file or a pager: as wide as their specs and collectives
+# need (rich would take 80 columns and fold `S(1),S(0)` mid-token)
+PIPED_WIDTH = 160
+
+
+def _console() -> Console:
+    """The terminal's width on a terminal, `PIPED_WIDTH` where the output is not one."""
+    return Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
 
 
 def default_axis_names(ndim: int) -> tuple[str, ...]:
@@ -299,7 +309,7 @@ def bench_cmd(
     auto = rows[0]
     base = math.nan if auto.error else auto.step_time
     title = f"{model}{f' {config}' if config else ''} batch {batch_size} on {the_cluster}"
-    Console().print(bench_table(rows, base, title))
+    _console().print(bench_table(rows, base, title))
     if csv_path is not None:
         write_bench_csv(csv_path, rows, base)
         typer.echo(f"wrote {csv_path}")
