@@ -241,6 +241,8 @@ def test_bench_csv_with_errors(tmp_path: Path) -> None:
         (["plan", *TINY_CPU, "--schedule", "1f1b"], "--microbatches/--schedule need pipelining"),
         (["plan", *PP_CPU, "--microbatches", "3"], "--microbatches 3 does not divide"),
         (["plan", *TINY_CPU, "--pipeline-stages", "3"], "--pipeline-stages 3 does not divide"),
+        (["plan", *TINY_CPU, "--mixed-precision", "fp8"], "mixed_precision='fp8': choose"),
+        (["run", "gpt", "--activation-checkpointing", "often"], "activation_checkpointing="),
     ],
 )
 def test_bad_input_is_one_line(args: list[str], message: str) -> None:

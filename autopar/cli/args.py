@@ -150,6 +150,13 @@ class PrecisionArgs:
     shard_gradients: bool = False
     activation_checkpointing: str = "auto"
 
+    def __post_init__(self) -> None:
+        """Checked as `autopar.plan` checks them, before any search or process starts."""
+        try:
+            PlanOptions(**self.kwargs())
+        except ValueError as exc:
+            fail(str(exc))
+
     def kwargs(self) -> dict:
         return {
             "mixed_precision": self.mixed_precision,

@@ -128,10 +128,10 @@ def plan_cmd(
     pipe = PipelineArgs(pipeline_stages, microbatches, parse_schedule(schedule))
     the_cluster = make_cluster(cluster, nodes, mesh, axis_names)
     check_pipeline(the_cluster, pipe, roles, batch_size)
+    precision = PrecisionArgs(
+        mixed_precision, shard_optimizer, shard_gradients, activation_checkpointing
+    )
     try:
-        precision = PrecisionArgs(
-            mixed_precision, shard_optimizer, shard_gradients, activation_checkpointing
-        )
         with search_progress(progress, profile):
             result = search(
                 source, config, batch_size, the_cluster, roles, time_limit, pipe, precision
