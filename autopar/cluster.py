@@ -314,6 +314,7 @@ class Cluster:
             )
         if axis_names is None:
             axis_names = tuple(f"axis{i}" for i in range(len(mesh)))
+        _check_names(mesh, axis_names)
         return cls(
             device=p.device,
             mesh_shape=mesh,
@@ -332,6 +333,7 @@ class Cluster:
             raise ValueError(
                 f"mesh {mesh} has {math.prod(mesh)} devices; this cluster has {self.world_size}"
             )
+        _check_names(mesh, axis_names)
         if self.fabric is None:
             raise ValueError(
                 "this cluster was built from explicit per-axis links, so its devices cannot be "
@@ -452,3 +454,12 @@ def with_pipeline_axis(cluster: Cluster, stages: int | None) -> Cluster:
             links=base.links * 2,
         )
     return base
+
+
+def _check_names(mesh: tuple[int, ...], axis_names: Sequence[str]) -> None:
+    """One name per mesh axis (said in the caller's words, not the links' it derives)."""
+    if len(tuple(axis_names)) != len(mesh):
+        raise ValueError(
+            f"axis_names {tuple(axis_names)} give {len(tuple(axis_names))} name(s) but mesh "
+            f"{mesh} has {len(mesh)} axes: give one name per mesh axis"
+        )

@@ -87,6 +87,11 @@ def test_validation() -> None:
         Cluster(dev, (2, 2), ("a",), (link, link))
     with pytest.raises(ValueError, match="one entry per mesh axis"):
         Cluster(dev, (2, 2), ("a", "b"), (link,))
+    # a preset or a re-mesh says it in the caller's words (no links given there)
+    with pytest.raises(ValueError, match=r"give 1 name\(s\) but mesh \(2, 2\) has 2 axes"):
+        Cluster.preset("cpu", mesh=(2, 2), axis_names=("dp",))
+    with pytest.raises(ValueError, match="give one name per mesh axis"):
+        Cluster.preset("dgx-h100", nodes=1).reshaped((2, 4), ("dp", "tp", "pp"))
     with pytest.raises(ValueError, match="positive ints"):
         Cluster(dev, (2, 0), ("a", "b"), (link, link))
     with pytest.raises(ValueError, match="unique"):
