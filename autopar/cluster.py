@@ -458,8 +458,9 @@ def with_pipeline_axis(cluster: Cluster, stages: int | None) -> Cluster:
 
 def _check_names(mesh: tuple[int, ...], axis_names: Sequence[str]) -> None:
     """One name per mesh axis (said in the caller's words, not the links' it derives)."""
-    if len(tuple(axis_names)) != len(mesh):
+    names = tuple(axis_names)
+    if len(names) != len(mesh):
         raise ValueError(
-            f"axis_names {tuple(axis_names)} give {len(tuple(axis_names))} name(s) but mesh "
-            f"{mesh} has {len(mesh)} axes: give one name per mesh axis"
+            f"axis_names {names} give {len(names)} name(s) but mesh {mesh} has {len(mesh)} "
+            "axes: give one name per mesh axis"
         )

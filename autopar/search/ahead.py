@@ -60,14 +60,9 @@ def take_meanwhile() -> Callable[[], None] | None:
     return _MEANWHILE.pop() if _MEANWHILE else None
 
 
-def cores() -> int:
-    """The cores this process may run on."""
-    return local_cores()
-
-
 def spare_core() -> bool:
     """Whether a solve started ahead can run on a core of its own (two or more cores)."""
-    return cores() > 1
+    return local_cores() > 1
 
 
 def start(solve: Callable[..., object], *args: object) -> Future:

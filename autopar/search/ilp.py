@@ -81,6 +81,7 @@ from datetime import timedelta
 
 from ortools.math_opt.python import mathopt
 
+from autopar.devices import local_cores
 from autopar.search import ahead, elimination
 from autopar.search.ilp_model import _build, _Model  # noqa: F401 - tests build models
 from autopar.search.ilp_problem import (  # noqa: F401 - re-exported
@@ -372,7 +373,7 @@ def solve_all(
         except (MemoryInfeasible, SolverTimeout, ValueError, RuntimeError) as exc:
             return exc
 
-    workers = min(len(problems), ahead.cores())
+    workers = min(len(problems), local_cores())
     if workers <= 1 and meanwhile is None:
         return [solve(p) for p in problems]
     with ThreadPoolExecutor(workers, thread_name_prefix="autopar-ilp") as pool:

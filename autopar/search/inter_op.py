@@ -20,8 +20,8 @@ forward t/3 and backward 2t/3 (of which the zero-bubble schedules' W action runs
 weight-gradient matmuls, `schedules.weight_gradient_work`), the activation sends between
 ranks (on processes that share CPU cores, `DeviceSpec.core_share` < 1, a longer stage's
 compute runs on the cores the others leave: `search.core_sharing`), and gives each rank's
-peak in-flight microbatches, which multiplies its stages' activation memory. Each stage all-reduces its replicated parameters' gradients once per
-step from its last backward (`reduced_per_step`, `runtime.pipeline.GradientSync`), one
+peak in-flight microbatches, which multiplies its stages' activation memory. Each stage
+all-reduces its replicated parameters' gradients once per step from its last backward (`reduced_per_step`, `runtime.pipeline.GradientSync`), one
 flat buffer per (collective, mesh axis, dtype) (`cost_models.buckets.fused_time`), on
 its rank's communication channel while its other stages compute (`schedules.synced_end`);
 under ZeRO a reduce-scatter, and the working parameters' all-gathers go out at the step's

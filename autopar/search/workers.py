@@ -41,6 +41,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from autopar.devices import local_cores
 from autopar.forked import can_fork
 from autopar.search import ahead, progress
 
@@ -76,7 +77,7 @@ def processes_for(degrees: int) -> int:
     if not can_fork() or degrees < MIN_DEGREES:
         return 1
     asked = os.environ.get(PROCESSES_ENV)
-    return max(1, min(int(asked) if asked else ahead.cores(), degrees))
+    return max(1, min(int(asked) if asked else local_cores(), degrees))
 
 
 @dataclass
